@@ -1,0 +1,13 @@
+"""The ``mmferry`` command."""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mmferry")
+def main() -> None:
+    """mmferry: the multimodal input data path of LLM inference engines."""
