@@ -1,13 +1,38 @@
-"""mmferry: the multimodal input data path of LLM inference engines."""
+"""mmferry: the multimodal input data path of LLM inference engines.
 
+The public API, in data-flow order: the field contract (:class:`FieldSpec`,
+:class:`Placement`), the per-item split (:func:`split_items`), the wire format
+(:mod:`mmferry.wire`), batching (:func:`batch_items`), the one-copy transfer
+(:class:`Transfer`), the encoder runtime (:class:`EncoderRunner`, :class:`EncoderCache`,
+:func:`scatter_output_slices`, :func:`merge_embeddings`) and the placement auditor
+(:mod:`mmferry.audit`).
+"""
+
+# (audit and wire are re-exported once they land)
+from mmferry.batching import Batch, batch_items
+from mmferry.encoder import (
+    EncoderCache,
+    EncoderCacheError,
+    EncoderModel,
+    EncoderRunner,
+    merge_embeddings,
+    scatter_output_slices,
+)
 from mmferry.errors import ArgumentError, ContractError, MediaError, MmferryError, WireError
 from mmferry.fields import FieldSpec, Placement
+from mmferry.hashing import hash_media
 from mmferry.items import Item, Items, split_items
-from mmferry.transfer import Mirrored
+from mmferry.transfer import DeviceBatch, Mirrored, Transfer
 
 __all__ = [
     "ArgumentError",
+    "Batch",
     "ContractError",
+    "DeviceBatch",
+    "EncoderCache",
+    "EncoderCacheError",
+    "EncoderModel",
+    "EncoderRunner",
     "FieldSpec",
     "Item",
     "Items",
@@ -15,7 +40,12 @@ __all__ = [
     "Mirrored",
     "MmferryError",
     "Placement",
+    "Transfer",
     "WireError",
+    "batch_items",
+    "hash_media",
+    "merge_embeddings",
+    "scatter_output_slices",
     "split_items",
 ]
 __version__ = "0.1.0"

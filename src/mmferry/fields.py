@@ -18,7 +18,15 @@ import torch
 
 from mmferry.errors import ContractError
 
-__all__ = ["FieldSpec", "Placement", "Reduction", "plan_reduction", "reduce_field", "split_field"]
+__all__ = [
+    "FieldSpec",
+    "Placement",
+    "Reduction",
+    "plan_copy",
+    "plan_reduction",
+    "reduce_field",
+    "split_field",
+]
 
 
 class Placement(str, Enum):
@@ -365,9 +373,9 @@ def _rebuild(value: Any, outs: Sequence[torch.Tensor], pos: list[int]) -> Any:
     return value
 
 
-def _leafwise(value: Any) -> Reduction:
-    """Reduction of a value kept as it is (a list, a nested list, a shared value): one
-    output per tensor leaf, the structure rebuilt around them."""
+def plan_copy(value: Any) -> Reduction:
+    """Reduction that keeps ``value``'s structure (a tensor, a nested list, a plain value):
+    one output per tensor leaf, the structure rebuilt around them."""
     leaves: list[torch.Tensor] = []
     _tensor_leaves(value, leaves)
     return Reduction(
@@ -393,7 +401,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
         if v is None:
             raise ContractError(f"item {i} has no data (None) and cannot be batched", field=name)
     if spec.kind == "shared":
-        return _leafwise(values[0]) if values else _leafwise([])
+        return plan_copy(values[0]) if values else plan_copy([])
     tensors = all(isinstance(v, torch.Tensor) for v in values)
     if not values or not tensors:
         if spec.kind == "flat" and values:
@@ -402,8 +410,8 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
             flat: list[Any] = []
             for v in values:
                 flat.extend(v) if isinstance(v, list | tuple) else flat.append(v)
-            return _leafwise(flat)
-        return _leafwise(list(values))
+            return plan_copy(flat)
+        return plan_copy(list(values))
     dtype = _common_dtype(name, values)
     shape0 = values[0].shape
     if spec.kind == "batched":
@@ -411,7 +419,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
             out_shape = torch.Size((len(values), *shape0))
             return Reduction((out_shape,), (dtype,),
                              lambda outs: torch.stack(list(values), out=outs[0]))
-        return _leafwise(list(values))
+        return plan_copy(list(values))
     # flat
     dim = spec.dim
     ndim = values[0].ndim

@@ -79,7 +79,7 @@ class Item(Mapping[str, Any]):
             self.modality == other.modality
             and dict(self.specs) == dict(other.specs)
             and self._data.keys() == other._data.keys()
-            and all(_equal(self._data[k], other._data[k]) for k in self._data)
+            and all(values_equal(self._data[k], other._data[k]) for k in self._data)
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -101,7 +101,8 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
-def _equal(a: Any, b: Any) -> bool:
+def values_equal(a: Any, b: Any) -> bool:
+    """Structural equality of field values: tensors by dtype, shape and content."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -115,7 +116,7 @@ def _equal(a: Any, b: Any) -> bool:
             isinstance(a, list | tuple)
             and isinstance(b, list | tuple)
             and len(a) == len(b)
-            and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+            and all(values_equal(x, y) for x, y in zip(a, b, strict=True))
         )
     return type(a) is type(b) and a == b
 

@@ -1,12 +1,36 @@
 """Host-to-device transfer of a batch: host fields stay, device and both fields travel in
-one coalesced, pinned, asynchronous copy."""
+one coalesced, pinned, asynchronous copy.
+
+Every device and both field of a batch is packed into one staging block (each tensor at an
+aligned offset), the block is copied to the device with a single ``copy_(non_blocking=True)``
+on the current stream, and each field becomes a view into the device block. Device fields are
+reduced straight from the items into the staging block, so their bytes are copied once on
+the host. A staging block goes back to the pool only after an event recorded behind its copy
+has completed; the pool is bounded, and when every block is in flight the caller waits for
+the oldest copy rather than allocating more pinned memory.
+
+Without CUDA, ``device="cpu"`` runs the same packing and hands out views of the packed block
+(no copy), and ``device="meta"`` gives meta tensors of the right shapes and dtypes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Mirrored"]
+import torch
+
+from mmferry.batching import Batch
+from mmferry.errors import ArgumentError
+from mmferry.fields import Placement, Reduction, plan_copy, plan_reduction
+
+__all__ = ["DeviceBatch", "Mirrored", "StagingPool", "Transfer", "TransferStats", "upload"]
+
+# Offsets of packed tensors are multiples of this: enough for any dtype's alignment and for
+# vectorised device loads, and what the CUDA caching allocator itself guarantees.
+ALIGNMENT = 256
+_MIN_BLOCK = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,3 +39,232 @@ class Mirrored:
 
     host: Any
     device: Any
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters of one :class:`Transfer`."""
+
+    batches: int = 0
+    copies: int = 0
+    bytes: int = 0
+    staging_blocks: int = 0
+    staging_in_use: int = 0
+    staging_bytes: int = 0
+    waits: int = 0
+
+
+@dataclass(slots=True)
+class _Block:
+    buffer: torch.Tensor
+    event: Event | None = None
+
+    def free(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+class StagingPool:
+    """A bounded pool of host staging blocks, each recycled only after its copy completed.
+
+    ``acquire(nbytes)`` returns a block no other copy is reading: a completed one when there
+    is one big enough, else a new one while the pool has room, else it waits for the oldest
+    copy in flight. ``release(block, event)`` hands the block back with the event recorded
+    behind the copy that reads it.
+    """
+
+    def __init__(self, max_blocks: int, *, pin_memory: bool, stats: TransferStats) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self.pin_memory = pin_memory
+        self.stats = stats
+        self._blocks: list[_Block] = []  # oldest release first
+
+    def _new(self, nbytes: int) -> _Block:
+        size = max(_MIN_BLOCK, 1 << (nbytes - 1).bit_length())
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        self.stats.staging_bytes += size
+        return _Block(buffer)
+
+    def acquire(self, nbytes: int) -> _Block:
+        for i, block in enumerate(self._blocks):
+            if block.buffer.numel() >= nbytes and block.free():
+                return self._take(i)
+        if len(self._blocks) < self.max_blocks:
+            self.stats.staging_blocks += 1
+            self.stats.staging_in_use += 1
+            return self._new(nbytes)
+        oldest = self._blocks[0]
+        if not oldest.free():
+            self.stats.waits += 1
+            assert oldest.event is not None
+            oldest.event.synchronize()
+        block = self._take(0)
+        if block.buffer.numel() < nbytes:
+            self.stats.staging_bytes -= block.buffer.numel()
+            block = self._new(nbytes)
+        return block
+
+    def _take(self, index: int) -> _Block:
+        block = self._blocks.pop(index)
+        block.event = None
+        self.stats.staging_in_use += 1
+        return block
+
+    def release(self, block: _Block, event: Event | None) -> None:
+        block.event = event
+        self.stats.staging_in_use -= 1
+        self._blocks.append(block)
+
+
+class DeviceBatch(Mapping[str, Any]):
+    """A batch where its contract says: host fields as they were, device fields as views into
+    one device block, both fields as :class:`Mirrored`.
+
+    ``ready()`` tells whether the copy has completed (the encoder need not wait: it runs on the
+    same stream); ``synchronize()`` blocks until it has.
+    """
+
+    __slots__ = ("_data", "event", "modality", "nbytes", "num_items", "specs")
+
+    def __init__(self, batch: Batch, data: dict[str, Any], event: Event | None, nbytes: int) -> None:
+        self.modality = batch.modality
+        self.num_items = batch.num_items
+        self.specs = batch.specs
+        self._data = data
+        self.event = event
+        self.nbytes = nbytes
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def __repr__(self) -> str:
+        return f"DeviceBatch({self.modality!r}, num_items={self.num_items}, fields={list(self)})"
+
+
+def _views(block: torch.Tensor, offsets: list[int], plans: list[Reduction]) -> list[list[torch.Tensor]]:
+    out, k = [], 0
+    for plan in plans:
+        views = []
+        for shape, dtype in zip(plan.shapes, plan.dtypes, strict=True):
+            nbytes = shape.numel() * dtype.itemsize
+            views.append(block[offsets[k]:offsets[k] + nbytes].view(dtype).view(shape))
+            k += 1
+        out.append(views)
+    return out
+
+
+def _swap(value: Any, mapping: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return mapping[id(value)]
+    if isinstance(value, list):
+        return [_swap(v, mapping) for v in value]
+    return value
+
+
+class Transfer:
+    """Moves batches to ``device`` with one coalesced copy each; see the module docstring.
+
+    ``max_staging_blocks`` bounds the pinned memory held for copies in flight.
+    """
+
+    def __init__(self, device: torch.device | str, *, max_staging_blocks: int = 4) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "meta", "cuda"):
+            raise ArgumentError(
+                f"unsupported device {self.device}; expected cuda, cpu or meta", argument="device"
+            )
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stats = TransferStats()
+        self._copies = self.device.type not in ("cpu", "meta")
+        self._pool = StagingPool(
+            max_staging_blocks,
+            pin_memory=self.device.type == "cuda",
+            stats=self.stats,
+        )
+
+    def to_device(self, batch: Batch) -> DeviceBatch:
+        """Place every field of ``batch`` where its spec says."""
+        data: dict[str, Any] = {}
+        names: list[str] = []
+        plans: list[Reduction] = []
+        hosts: dict[str, Any] = {}
+        for name, spec in batch.specs.items():
+            if spec.placement is Placement.HOST:
+                data[name] = batch.reduced(name)
+            elif spec.placement is Placement.BOTH:
+                hosts[name] = batch.reduced(name)
+                names.append(name)
+                plans.append(plan_copy(hosts[name]))
+            else:
+                names.append(name)
+                plans.append(plan_reduction(name, spec, batch.values(name)))
+
+        offsets, total = [], 0
+        for plan in plans:
+            for shape, dtype in zip(plan.shapes, plan.dtypes, strict=True):
+                offsets.append(total)
+                total += -(-shape.numel() * dtype.itemsize // ALIGNMENT) * ALIGNMENT
+
+        self.stats.batches += 1
+        if not self._copies and self.device.type == "cpu":
+            # The packed block is the "device" block: nothing to copy, nothing to recycle.
+            block = torch.empty(total, dtype=torch.uint8)
+            for name, plan, views in zip(names, plans, _views(block, offsets, plans), strict=True):
+                value = plan.fill(views)
+                data[name] = Mirrored(hosts[name], value) if name in hosts else value
+            return DeviceBatch(batch, data, None, total)
+
+        staging = self._pool.acquire(total)
+        event: Event | None = None
+        try:
+            host_views = _views(staging.buffer, offsets, plans)
+            packed = [plan.fill(views) for plan, views in zip(plans, host_views, strict=True)]
+            device_block = torch.empty(total, dtype=torch.uint8, device=self.device)
+            if total:
+                device_block.copy_(staging.buffer[:total], non_blocking=True)
+                self.stats.copies += 1
+                self.stats.bytes += total
+            if self._copies:
+                event = torch.cuda.Event() if self.device.type == "cuda" else None
+                if event is not None:
+                    event.record()
+        finally:
+            self._pool.release(staging, event)
+        device_views = _views(device_block, offsets, plans)
+        for name, value, hviews, dviews in zip(names, packed, host_views, device_views, strict=True):
+            moved = _swap(value, {id(h): d for h, d in zip(hviews, dviews, strict=True)})
+            data[name] = Mirrored(hosts[name], moved) if name in hosts else moved
+        return DeviceBatch(batch, data, event, total)
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor (model-derived metadata: ``cu_seqlens``, position ids) to
+    ``device`` without blocking the host: pinned first on CUDA, then one non-blocking copy.
+    The pinned copy comes from PyTorch's caching host allocator, which keeps it until the
+    copy has completed."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)

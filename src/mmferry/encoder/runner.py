@@ -1,0 +1,159 @@
+"""The encoder runner: cache lookup, batching within a step budget, transfer, encode, scatter."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmferry.batching import batch_items
+from mmferry.encoder.cache import EncoderCache, EncoderCacheError
+from mmferry.encoder.merge import scatter_output_slices
+from mmferry.encoder.model import EncoderModel
+from mmferry.errors import ContractError
+from mmferry.items import Item, Items
+from mmferry.transfer import Transfer
+
+__all__ = ["EncoderRunner", "RunStats"]
+
+
+@dataclass(slots=True)
+class RunStats:
+    """What the last :meth:`EncoderRunner.encode` call did, and where its time went (seconds)."""
+
+    items: int = 0
+    hits: int = 0
+    encoded: int = 0
+    encoder_calls: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+def _precomputed(item: Item) -> str | None:
+    # vLLM's convention: `image_embeds`, `video_embeds`, `audio_embeds` carry encoder output.
+    return next((name for name in item if name.endswith("_embeds")), None)
+
+
+class EncoderRunner:
+    """Encodes items with ``model``, each unique item once, reusing ``cache`` across calls.
+
+    ``max_tokens_per_step`` bounds the output rows of one encoder call (default: no bound
+    beyond the cache's capacity). Outputs stay on ``device``.
+    """
+
+    def __init__(
+        self,
+        model: EncoderModel,
+        cache: EncoderCache | None = None,
+        device: torch.device | str = "cpu",
+        max_tokens_per_step: int | None = None,
+        transfer: Transfer | None = None,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.cache = cache if cache is not None else EncoderCache(max_tokens=1 << 20)
+        if max_tokens_per_step is not None and max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be positive, got {max_tokens_per_step}")
+        self.max_tokens_per_step = max_tokens_per_step or self.cache.max_tokens
+        self.transfer = transfer if transfer is not None else Transfer(self.device)
+        self.last = RunStats()
+
+    def release(self, request: Hashable) -> None:
+        """The request is done: its cache entries may be evicted."""
+        self.cache.release(request)
+
+    def encode(self, items: Items | Sequence[Item], *, request: Hashable = None) -> list[torch.Tensor]:
+        """One ``[tokens, hidden]`` tensor per item, in input order.
+
+        Cache hits skip everything; misses are de-duplicated by hash, batched in order within
+        the step budget, transferred, encoded, cut into per-item rows by the host-known token
+        counts, and cached under ``request`` (released with :meth:`release`).
+        """
+        seq = items.in_order() if isinstance(items, Items) else list(items)
+        stats = self.last = RunStats(items=len(seq))
+        out: list[torch.Tensor | None] = [None] * len(seq)
+        todo: dict[str, list[int]] = {}  # hash -> positions, first occurrence order
+        tokens: dict[str, int] = {}
+        for i, item in enumerate(seq):
+            key = item.hash
+            if key in todo:
+                todo[key].append(i)
+                continue
+            hit = self.cache.get(key, request)
+            if hit is not None:
+                out[i] = hit
+                stats.hits += 1
+                continue
+            n = self.model.tokens_per_item(item)
+            self.cache.check_fits(key, n)
+            if n > self.max_tokens_per_step:
+                raise EncoderCacheError(
+                    f"item {key[:16]} has {n} tokens, more than max_tokens_per_step="
+                    f"{self.max_tokens_per_step}"
+                )
+            tokens[key] = n
+            todo[key] = [i]
+
+        misses = [seq[positions[0]] for positions in todo.values()]
+        results: dict[str, torch.Tensor] = {}
+        for step in self._steps(misses, tokens):
+            for batch in batch_items(step):
+                t0 = time.perf_counter()
+                device_batch = self.transfer.to_device(batch)
+                t1 = time.perf_counter()
+                stats.add("transfer", t1 - t0)
+                counts = [tokens[it.hash] for it in batch.items]
+                embeds = _precomputed(batch.items[0])
+                if embeds is not None:
+                    output = device_batch[embeds]
+                else:
+                    output = self.model.encode(**device_batch)
+                    stats.encoder_calls += 1
+                t2 = time.perf_counter()
+                stats.add("encode", t2 - t1)
+                self._check(output, counts, batch.items)
+                keys = [it.hash for it in batch.items]
+                scatter_output_slices(output, keys, counts, results)
+                stats.add("scatter", time.perf_counter() - t2)
+                stats.encoded += batch.num_items
+
+        for key, positions in todo.items():
+            value = results[key]
+            self.cache.put(key, value, request)
+            for i in positions:
+                out[i] = value
+        return out  # type: ignore[return-value]
+
+    def _steps(self, misses: list[Item], tokens: dict[str, int]) -> list[list[Item]]:
+        steps: list[list[Item]] = []
+        budget = 0
+        for item in misses:
+            n = tokens[item.hash]
+            if not steps or budget + n > self.max_tokens_per_step:
+                steps.append([])
+                budget = 0
+            steps[-1].append(item)
+            budget += n
+        return steps
+
+    def _check(self, output: Any, counts: list[int], items: Sequence[Item]) -> None:
+        name = getattr(self.model, "name", type(self.model).__name__)
+        if not isinstance(output, torch.Tensor) or output.ndim != 2:
+            raise ContractError(
+                f"model {name} returned {type(output).__name__}"
+                f"{'' if not isinstance(output, torch.Tensor) else tuple(output.shape)}; "
+                "expected one [tokens, hidden] tensor"
+            )
+        # Shapes are host metadata: this check costs no sync.
+        if output.shape[0] != sum(counts):
+            per_item = ", ".join(f"{it.hash[:12]}={n}" for it, n in zip(items, counts, strict=True))
+            raise ContractError(
+                f"model {name} returned {output.shape[0]} rows for {len(items)} "
+                f"{items[0].modality} items whose tokens_per_item sum to {sum(counts)} "
+                f"({per_item})"
+            )
