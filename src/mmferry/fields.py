@@ -286,7 +286,7 @@ def split_field(name: str, spec: FieldSpec, data: Any) -> list[Any]:
 
 def _split_flat(name: str, spec: FieldSpec, data: Any) -> list[Any]:
     if isinstance(data, list | tuple):
-        if spec.dim != 0 or spec.sizes is not None and spec.dim != 0:
+        if spec.dim != 0:
             raise ContractError("a flat field over a list must have dim=0", field=name)
         length = len(data)
         out = []

@@ -11,3 +11,10 @@ __all__ = ["main"]
 @click.version_option(package_name="mmferry")
 def main() -> None:
     """mmferry: the multimodal input data path of LLM inference engines."""
+
+
+from mmferry.cli.encode import encode  # noqa: E402
+from mmferry.cli.models import models_command  # noqa: E402
+
+main.add_command(encode)
+main.add_command(models_command)

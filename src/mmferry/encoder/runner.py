@@ -25,6 +25,7 @@ class RunStats:
     """What the last :meth:`EncoderRunner.encode` call did, and where its time went (seconds)."""
 
     items: int = 0
+    status: list[str] = field(default_factory=list)  # per item: "hit", "miss" or "repeat"
     hits: int = 0
     encoded: int = 0
     encoder_calls: int = 0
@@ -77,17 +78,20 @@ class EncoderRunner:
         seq = items.in_order() if isinstance(items, Items) else list(items)
         stats = self.last = RunStats(items=len(seq))
         out: list[torch.Tensor | None] = [None] * len(seq)
+        stats.status = ["miss"] * len(seq)
         todo: dict[str, list[int]] = {}  # hash -> positions, first occurrence order
         tokens: dict[str, int] = {}
         for i, item in enumerate(seq):
             key = item.hash
             if key in todo:
                 todo[key].append(i)
+                stats.status[i] = "repeat"
                 continue
             hit = self.cache.get(key, request)
             if hit is not None:
                 out[i] = hit
                 stats.hits += 1
+                stats.status[i] = "hit"
                 continue
             n = self.model.tokens_per_item(item)
             self.cache.check_fits(key, n)
@@ -112,7 +116,8 @@ class EncoderRunner:
                 if embeds is not None:
                     output = device_batch[embeds]
                 else:
-                    output = self.model.encode(**device_batch)
+                    with torch.inference_mode():
+                        output = self.model.encode(**device_batch)
                     stats.encoder_calls += 1
                 t2 = time.perf_counter()
                 stats.add("encode", t2 - t1)

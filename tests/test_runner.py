@@ -1,0 +1,155 @@
+"""Encoder runtime: runner, cache, scatter and merge, on a small deterministic encoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmferry as mf
+
+F = mf.FieldSpec
+
+
+class PatchEncoder(torch.nn.Module):
+    """Each item is a run of patches; every `merge` patches become one output row.
+
+    Elementwise on purpose: a matmul's rounding may depend on the batch's row count, and these
+    tests compare batched against per-item outputs exactly."""
+
+    name = "patch-encoder"
+    modalities = ("image",)
+    hidden_size = 8
+
+    def __init__(self, merge: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(4 * merge))
+        self.bias = torch.nn.Parameter(torch.randn(4 * merge))
+        self.merge = merge
+        self.calls: list[int] = []
+
+    def tokens_per_item(self, item) -> int:
+        return int(item["sizes"]) // self.merge
+
+    def encode(self, pixels: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        self.calls.append(len(sizes))
+        return pixels.reshape(-1, 4 * self.merge) * self.weight + self.bias
+
+
+def images(sizes: list[int], seed: int = 0) -> list[mf.Item]:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(sum(sizes), 4, generator=g)
+    specs = {"pixels": F.flat_from_sizes("image", sizes),
+             "sizes": F.batched("image", placement="host")}
+    return mf.split_items({"pixels": pixels, "sizes": torch.tensor(sizes)}, specs)["image"]
+
+
+def test_outputs_equal_per_item_encoding_exactly() -> None:
+    model = PatchEncoder()
+    items = images([4, 2, 6])
+    batched = mf.EncoderRunner(model).encode(items)
+    for item, out in zip(items, batched, strict=True):
+        alone = mf.EncoderRunner(PatchEncoder()).encode([item])[0]
+        assert torch.equal(out, alone)
+    assert model.calls == [3]
+
+
+def test_cache_hits_skip_the_encoder() -> None:
+    model = PatchEncoder()
+    runner = mf.EncoderRunner(model, mf.EncoderCache(max_tokens=100))
+    items = images([4, 2])
+    first = runner.encode(items, request="r1")
+    second = runner.encode(items, request="r2")
+    assert model.calls == [2]
+    assert runner.last.status == ["hit", "hit"] and runner.cache.stats.hits == 2
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_mixed_requests_encode_each_unique_item_once() -> None:
+    model = PatchEncoder()
+    a, b = images([4, 2])
+    c = images([6], seed=1)[0]
+    runner = mf.EncoderRunner(model)
+    outs = runner.encode([a, c, a, b, c])
+    assert sum(model.calls) == 3
+    assert runner.last.status == ["miss", "miss", "repeat", "miss", "repeat"]
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[4])
+
+
+def test_step_budget_splits_batches() -> None:
+    model = PatchEncoder()
+    runner = mf.EncoderRunner(model, max_tokens_per_step=3)
+    runner.encode(images([4, 2, 2, 6]))  # tokens 2, 1, 1, 3
+    assert model.calls == [2, 1, 1]
+    with pytest.raises(mf.EncoderCacheError, match="max_tokens_per_step"):
+        runner.encode(images([8]))
+
+
+def test_eviction_under_pressure_keeps_referenced_items() -> None:
+    model = PatchEncoder()
+    runner = mf.EncoderRunner(model, mf.EncoderCache(max_tokens=6))
+    held = images([4], seed=1)  # 2 tokens, referenced by r-held throughout
+    runner.encode(held, request="r-held")
+    for seed in range(2, 6):
+        runner.encode(images([4], seed=seed), request=f"r{seed}")
+        runner.release(f"r{seed}")
+    assert held[0].hash in runner.cache
+    assert runner.cache.stats.evictions >= 2
+    assert runner.cache.stats.tokens <= 6
+    runner.encode(held, request="again")
+    assert runner.last.status == ["hit"]
+
+
+def test_item_larger_than_cache_is_refused() -> None:
+    runner = mf.EncoderRunner(PatchEncoder(), mf.EncoderCache(max_tokens=2))
+    with pytest.raises(mf.EncoderCacheError, match="more than the cache"):
+        runner.encode(images([8]))
+
+
+def test_token_count_mismatch_names_model_and_items() -> None:
+    class Wrong(PatchEncoder):
+        def tokens_per_item(self, item) -> int:
+            return int(item["sizes"])
+
+    with pytest.raises(mf.ContractError, match=r"model patch-encoder returned 3 rows .* sum to 6"):
+        mf.EncoderRunner(Wrong()).encode(images([4, 2]))
+
+
+def test_runner_receives_fields_where_their_placement_says() -> None:
+    seen = {}
+
+    class Probe(PatchEncoder):
+        def encode(self, pixels, sizes):
+            seen.update(pixels=pixels.device.type, sizes=sizes.device.type)
+            return torch.zeros(int(sizes.sum()) // 2, self.hidden_size, device=pixels.device)
+
+    mf.EncoderRunner(Probe(), device="meta").encode(images([4, 2]))
+    assert seen == {"pixels": "meta", "sizes": "cpu"}
+
+
+def test_scatter_output_slices_views_and_clones() -> None:
+    output = torch.arange(12.0).reshape(6, 2)
+    dest: dict[str, torch.Tensor] = {}
+    mf.scatter_output_slices(output, ["a", "b"], [2, 4], dest)
+    assert torch.equal(dest["b"], output[2:]) and dest["b"].data_ptr() == output[2:].data_ptr()
+    cloned: list = [None, None]
+    mf.scatter_output_slices(output, [1, 0], [2, 4], cloned, clone=True)
+    assert torch.equal(cloned[1], output[:2]) and cloned[1].data_ptr() != output.data_ptr()
+    with pytest.raises(ValueError, match="6 rows"):
+        mf.scatter_output_slices(output, ["a"], [5], dest)
+
+
+def test_merge_embeddings_places_rows_and_rejects_count_mismatch() -> None:
+    embeds = torch.zeros(2, 5, 3)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 1:3] = True
+    mask[1, 4] = True
+    rows = [torch.ones(2, 3), torch.full((1, 3), 2.0)]
+    out = mf.merge_embeddings(embeds, mask, rows)
+    assert out is embeds
+    assert torch.equal(out[0, 1:3], torch.ones(2, 3)) and torch.equal(out[1, 4], torch.full((3,), 2.0))
+    assert out[0, 0].abs().sum() == 0
+    with pytest.raises(mf.ContractError, match="3 placeholder tokens but 2"):
+        mf.merge_embeddings(torch.zeros(2, 5, 3), mask, torch.ones(2, 3))
+    with pytest.raises(mf.ContractError, match="hidden size"):
+        mf.merge_embeddings(torch.zeros(2, 5, 3), mask, torch.ones(3, 4))
