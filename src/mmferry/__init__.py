@@ -8,7 +8,7 @@ The public API, in data-flow order: the field contract (:class:`FieldSpec`,
 (:mod:`mmferry.audit`).
 """
 
-# (audit and wire are re-exported once they land)
+from mmferry import wire
 from mmferry.batching import Batch, batch_items
 from mmferry.encoder import (
     EncoderCache,
@@ -47,5 +47,6 @@ __all__ = [
     "merge_embeddings",
     "scatter_output_slices",
     "split_items",
+    "wire",
 ]
 __version__ = "0.1.0"

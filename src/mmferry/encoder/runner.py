@@ -22,7 +22,9 @@ __all__ = ["EncoderRunner", "RunStats"]
 
 @dataclass(slots=True)
 class RunStats:
-    """What the last :meth:`EncoderRunner.encode` call did, and where its time went (seconds)."""
+    """What the last :meth:`EncoderRunner.encode` call did, and where its host time went:
+    seconds per stage (lookup: hashing and cache lookup; batch; transfer; encode: the model
+    call, which on CUDA returns once its kernels are queued; scatter; cache: storing)."""
 
     items: int = 0
     status: list[str] = field(default_factory=list)  # per item: "hit", "miss" or "repeat"
@@ -76,9 +78,16 @@ class EncoderRunner:
         counts, and cached under ``request`` (released with :meth:`release`).
         """
         seq = items.in_order() if isinstance(items, Items) else list(items)
-        stats = self.last = RunStats(items=len(seq))
+        stats = self.last = RunStats(items=len(seq), status=["miss"] * len(seq))
+        clock = time.perf_counter()
+
+        def lap(stage: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            stats.add(stage, now - clock)
+            clock = now
+
         out: list[torch.Tensor | None] = [None] * len(seq)
-        stats.status = ["miss"] * len(seq)
         todo: dict[str, list[int]] = {}  # hash -> positions, first occurrence order
         tokens: dict[str, int] = {}
         for i, item in enumerate(seq):
@@ -102,15 +111,15 @@ class EncoderRunner:
                 )
             tokens[key] = n
             todo[key] = [i]
+        lap("lookup")
 
         misses = [seq[positions[0]] for positions in todo.values()]
         results: dict[str, torch.Tensor] = {}
         for step in self._steps(misses, tokens):
             for batch in batch_items(step):
-                t0 = time.perf_counter()
+                lap("batch")
                 device_batch = self.transfer.to_device(batch)
-                t1 = time.perf_counter()
-                stats.add("transfer", t1 - t0)
+                lap("transfer")
                 counts = [tokens[it.hash] for it in batch.items]
                 embeds = _precomputed(batch.items[0])
                 if embeds is not None:
@@ -119,19 +128,18 @@ class EncoderRunner:
                     with torch.inference_mode():
                         output = self.model.encode(**device_batch)
                     stats.encoder_calls += 1
-                t2 = time.perf_counter()
-                stats.add("encode", t2 - t1)
+                lap("encode")
                 self._check(output, counts, batch.items)
-                keys = [it.hash for it in batch.items]
-                scatter_output_slices(output, keys, counts, results)
-                stats.add("scatter", time.perf_counter() - t2)
+                scatter_output_slices(output, [it.hash for it in batch.items], counts, results)
                 stats.encoded += batch.num_items
+                lap("scatter")
 
         for key, positions in todo.items():
             value = results[key]
             self.cache.put(key, value, request)
             for i in positions:
                 out[i] = value
+        lap("cache")
         return out  # type: ignore[return-value]
 
     def _steps(self, misses: list[Item], tokens: dict[str, int]) -> list[list[Item]]:
