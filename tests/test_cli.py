@@ -1,0 +1,84 @@
+"""The `mmferry` command: encode, models, and the shared argument validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+from safetensors.torch import load_file
+
+from mmferry.cli import main
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> list[Path]:
+    rng = np.random.default_rng(1)
+    paths = []
+    for i, (w, h) in enumerate([(64, 48), (56, 56)]):
+        path = tmp_path / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_encode_samples_prints_one_row_per_item() -> None:
+    result = run("encode", "--samples", "3")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:4] == ["file", "tokens", "embedding", "cache"]
+    rows = [line.split() for line in lines[1:4]]
+    assert [r[3] for r in rows] == ["miss", "miss", "repeat"]
+    assert rows[0][1] == rows[2][1] and rows[0][2] == rows[2][2]
+    assert "1 encoder call(s)" in result.output
+
+
+def test_encode_reports_bad_files_and_still_encodes_the_rest(images: list[Path], tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.png"
+    truncated.write_bytes(images[0].read_bytes()[:60])
+    missing = tmp_path / "missing.png"
+    out = tmp_path / "emb.safetensors"
+    result = run("encode", str(images[0]), str(truncated), str(missing), str(images[1]),
+                 "--out", str(out))
+    assert result.exit_code == 1
+    errors = result.stderr.splitlines()
+    assert any("truncated.png" in e for e in errors) and any("missing.png" in e for e in errors)
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:5]}
+    assert rows["img0.png"][3] == "miss" and rows["img1.png"][3] == "miss"
+    assert rows["truncated.png"][3] == "error" and rows["missing.png"][3] == "error"
+    saved = load_file(str(out))
+    assert len(saved) == 2
+    assert sorted(int(t.shape[0]) for t in saved.values()) == sorted(
+        int(rows[n][1]) for n in ("img0.png", "img1.png")
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["encode", "--samples", "2", "--model", "nope"], "unknown model 'nope'"),
+        (["encode", "--samples", "2", "--device", "xpu"], "--device"),
+        (["encode", "--samples", "2", "--out", "emb.txt"], "--out"),
+        (["encode", "--samples", "0"], "--samples"),
+        (["encode", "--samples", "2", "--weights", "/nonexistent"], "--weights"),
+        (["encode"], "give FILES"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_models_lists_fields_kinds_and_placements() -> None:
+    result = run("models")
+    assert result.exit_code == 0, result.output
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in result.output.splitlines()[1:]}
+    assert rows[("qwen2-vl", "image", "pixel_values")] == ["flat_from_sizes", "device"]
+    assert rows[("qwen2-vl", "image", "image_grid_thw")] == ["batched", "host"]
