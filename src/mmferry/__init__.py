@@ -8,7 +8,7 @@ The public API, in data-flow order: the field contract (:class:`FieldSpec`,
 (:mod:`mmferry.audit`).
 """
 
-from mmferry import wire
+from mmferry import models, wire
 from mmferry.batching import Batch, batch_items
 from mmferry.encoder import (
     EncoderCache,
@@ -45,6 +45,7 @@ __all__ = [
     "batch_items",
     "hash_media",
     "merge_embeddings",
+    "models",
     "scatter_output_slices",
     "split_items",
     "wire",

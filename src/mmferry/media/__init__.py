@@ -1,0 +1,12 @@
+"""Media decoding with limits: every failure is a :class:`~mmferry.errors.MediaError`."""
+
+from mmferry.media.image import (
+    MAX_PIXELS,
+    ImageSource,
+    load_image,
+    load_images,
+    load_video,
+    source_name,
+)
+
+__all__ = ["MAX_PIXELS", "ImageSource", "load_image", "load_images", "load_video", "source_name"]

@@ -1,0 +1,556 @@
+"""Qwen2-VL: its image/video processor, field contract and vision encoder.
+
+The processor matches transformers' ``Qwen2VLImageProcessorPil`` (smart resize with Pillow's
+bicubic filter, rescale and CLIP normalisation, temporal patching, the merge-block patch
+order). The encoder is the Qwen2-VL vision tower (``Qwen2VisionTransformerPretrainedModel``)
+with the public checkpoint's parameter names under ``visual.``.
+
+Placement: ``image_grid_thw`` / ``video_grid_thw`` stay on the host. Everything derived from
+them (split sizes, attention runs, rotary positions) is host math; the one derived tensor that
+meets device kernels, the rotary position table, is uploaded once per call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.fields import FieldSpec
+from mmferry.media import load_image, load_video
+from mmferry.transfer import upload
+
+__all__ = ["TINY", "ProcessorConfig", "Qwen2VL", "VisionConfig", "smart_resize"]
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """The vision part of a Qwen2-VL ``config.json`` (``vision_config``); defaults are 7B's."""
+
+    depth: int = 32
+    embed_dim: int = 1280
+    hidden_size: int = 3584  # the merger's output size, the language model's width
+    num_heads: int = 16
+    mlp_ratio: float = 4
+    hidden_act: str = "quick_gelu"
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> VisionConfig:
+        """Read a checkpoint's ``config.json`` content (or its ``vision_config`` alone)."""
+        model_type = config.get("model_type")
+        if "vision_config" in config:
+            if model_type not in (None, "qwen2_vl"):
+                raise ArgumentError(
+                    f"config is for model_type {model_type!r}, not 'qwen2_vl'", argument="config"
+                )
+            config = config["vision_config"]
+        vision = dict(config)
+        # Older checkpoints spell these differently.
+        for old, new in (("in_chans", "in_channels"), ("spatial_patch_size", "patch_size")):
+            if old in vision:
+                vision.setdefault(new, vision[old])
+        rope = vision.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            vision["rope_theta"] = rope["rope_theta"]
+        names = {f.name for f in fields(cls)}
+        out = cls(**{k: v for k, v in vision.items() if k in names})
+        for name in ("patch_size", "temporal_patch_size"):
+            if not isinstance(getattr(out, name), int):
+                raise ArgumentError(f"vision_config.{name} must be an int, got "
+                                    f"{getattr(out, name)!r}", argument="config")
+        if out.embed_dim % out.num_heads or (out.embed_dim // out.num_heads) % 4:
+            raise ArgumentError(
+                f"embed_dim {out.embed_dim} must split into {out.num_heads} heads of a size "
+                "divisible by 4 (2-D rotary)", argument="config")
+        if out.hidden_act not in _ACTIVATIONS:
+            raise ArgumentError(f"unsupported hidden_act {out.hidden_act!r}; supported: "
+                                f"{sorted(_ACTIVATIONS)}", argument="config")
+        return out
+
+
+TINY = VisionConfig(depth=2, embed_dim=32, hidden_size=64, num_heads=2)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorConfig:
+    """Resize bounds and normalisation; defaults are transformers' Qwen2-VL image and video
+    processors'."""
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 28 * 28 * 768
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> ProcessorConfig:
+        """Read a checkpoint's ``preprocessor_config.json`` content."""
+        size = config.get("size") or {}
+        out = cls()
+        min_pixels = config.get("min_pixels", size.get("shortest_edge", out.min_pixels))
+        max_pixels = config.get("max_pixels", size.get("longest_edge", out.max_pixels))
+        return replace(
+            out,
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            image_mean=tuple(config.get("image_mean", out.image_mean)),
+            image_std=tuple(config.get("image_std", out.image_std)),
+        )
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int]:
+    """The size Qwen2-VL resizes an image to: both sides multiples of ``factor``, the area
+    within ``[min_pixels, max_pixels]``, the aspect ratio kept as closely as that allows.
+
+    Raises ``ValueError`` when the aspect ratio exceeds 200.
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / scale / factor) * factor)
+        w = max(factor, math.floor(width / scale / factor) * factor)
+    elif h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * scale / factor) * factor
+        w = math.ceil(width * scale / factor) * factor
+    return h, w
+
+
+# -- processor ---------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """``[C, 256]`` float32: every uint8 value rescaled and normalised per channel.
+
+    The arithmetic is transformers' (rescale in float64, cast to float32, then subtract and
+    divide in float32), so a table lookup gives its values bit for bit in one pass.
+    """
+    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    m = np.asarray(mean, dtype=np.float32)[:, None]
+    s = np.asarray(std, dtype=np.float32)[:, None]
+    table = (scaled[None, :] - m) / s
+    table.setflags(write=False)
+    return table
+
+
+def _patchify_into(out: np.ndarray, frames: np.ndarray, table: np.ndarray, *, patch: int,
+                   merge: int, temporal: int) -> None:
+    """Write ``frames`` (uint8 ``[T, H, W, C]``) into ``out`` (``[N, C*temporal*P*P]``).
+
+    Rows run over (t, merge-block row, merge-block column, row in block, column in block);
+    columns over (channel, frame in the temporal patch, patch row, patch column). A single
+    frame (an image) stands for ``temporal`` identical frames. The uint8 pixels are reordered
+    first (a quarter of the float bytes), then looked up in ``table``.
+    """
+    t, h, w, c = frames.shape
+    per_patch = 1 if t == 1 else temporal  # distinct frames in one temporal patch
+    gh, gw = h // patch, w // patch
+    n = (t // per_patch) * gh * gw
+    ordered = frames.reshape(
+        t // per_patch, per_patch, gh // merge, merge, patch, gw // merge, merge, patch, c
+    ).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(n, c, per_patch * patch * patch)
+    dest = out.reshape(n, c, temporal // per_patch, per_patch * patch * patch)
+    values = np.empty((n, per_patch * patch * patch), dtype=np.float32)
+    for ch in range(c):
+        np.take(table[ch], ordered[:, ch], out=values, mode="clip")
+        dest[:, ch] = values[:, None, :]
+
+
+def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
+    if img.size != (width, height):
+        img = img.resize((width, height), Image.Resampling.BICUBIC)
+    return np.asarray(img)
+
+
+def _is_frame(x: Any) -> bool:
+    return isinstance(x, Image.Image | str | os.PathLike | bytes | bytearray | memoryview) or (
+        isinstance(x, np.ndarray) and x.ndim <= 3
+    )
+
+
+def _as_list(images: Any) -> list[Any]:
+    if images is None:
+        return []
+    if _is_frame(images):
+        return [images]
+    return list(images)
+
+
+def _as_videos(videos: Any) -> list[Any]:
+    if videos is None:
+        return []
+    if isinstance(videos, np.ndarray) and videos.ndim == 4:
+        return [videos]
+    videos = list(videos)
+    # One video given as its frames, the way transformers accepts it.
+    if videos and _is_frame(videos[0]):
+        return [videos]
+    return videos
+
+
+# -- encoder -----------------------------------------------------------------------------
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {
+    "quick_gelu": _quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+@lru_cache(maxsize=256)
+def _frame_positions(h: int, w: int, merge: int) -> np.ndarray:
+    """(row, column) of each patch of one ``h×w`` frame, in merge-block order, ``[h*w, 2]``."""
+    bh, bw = h // merge, w // merge
+    r = np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
+    c = np.arange(bw)[None, :, None, None] * merge + np.arange(merge)[None, None, None, :]
+    shape = (bh, bw, merge, merge)
+    pos = np.stack([np.broadcast_to(r, shape), np.broadcast_to(c, shape)], axis=-1)
+    pos = pos.reshape(h * w, 2).astype(np.int32)
+    pos.setflags(write=False)
+    return pos
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        # Rotary in float32 whatever the weights' dtype, as the reference does.
+        qf, kf = q.float(), k.float()
+        q = (qf * cos + _rotate_half(qf) * sin).to(v.dtype)
+        k = (kf * cos + _rotate_half(kf) * sin).to(v.dtype)
+        return self.proj(_frame_attention(q, k, v, runs))
+
+
+def _frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Attention within each frame: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
+    (frames, frame length) of consecutive equal-length frames covering the n rows. A run is a
+    view of one ``[frames, heads, length, head_dim]`` batch, so it costs one SDPA call."""
+    outs, start = [], 0
+    for count, length in runs:
+        end = start + count * length
+        q_, k_, v_ = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q_, k_, v_)
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+        start = end
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.attn = Attention(cfg.embed_dim, cfg.num_heads)
+        self.mlp = Mlp(cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio), cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, runs)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        # Kernel == stride, so the Conv3d is a Linear over the flattened (C, T, P, P) patch;
+        # it is kept as a Conv3d for the checkpoint's parameter name and shape.
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, stride=kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        merged = cfg.embed_dim * cfg.spatial_merge_size**2
+        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x)
+        return self.mlp(x.view(-1, self.mlp[0].in_features))
+
+
+class VisionTower(nn.Module):
+    """The Qwen2-VL vision transformer: patch embedding, blocks with 2-D rotary positions and
+    per-frame attention, and the 2×2 patch merger."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        # A quarter of head_dim per axis; rows and columns share the frequencies. Built on the
+        # device (a few tiny kernels) rather than kept as a buffer, so nothing but the
+        # checkpoint's tensors needs initialising.
+        quarter = self.cfg.embed_dim // self.cfg.num_heads // 2
+        exponents = torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter
+        return 1.0 / (self.cfg.rope_theta ** exponents)
+
+    def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """``pixels`` ``[sum t*h*w, C*T*P*P]`` on the device, ``grid`` host ints per item."""
+        merge = self.cfg.spatial_merge_size
+        positions = np.concatenate(
+            [np.tile(_frame_positions(h, w, merge), (t, 1)) for t, h, w in grid]
+        )
+        runs: list[tuple[int, int]] = []
+        for t, h, w in grid:
+            if runs and runs[-1][1] == h * w:
+                runs[-1] = (runs[-1][0] + t, h * w)
+            else:
+                runs.append((t, h * w))
+        x = self.patch_embed(pixels)
+        pos = upload(torch.from_numpy(positions), x.device)
+        freqs = (pos[:, :, None].float() * self._inv_freq(x.device)).flatten(1)  # [n, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
+        cos, sin = emb.cos(), emb.sin()
+        for block in self.blocks:
+            x = block(x, cos, sin, runs)
+        return self.merger(x)
+
+
+# -- the model ---------------------------------------------------------------------------
+
+_FIELDS = {
+    "image": ("pixel_values", "image_grid_thw", "image_embeds"),
+    "video": ("pixel_values_videos", "video_grid_thw", "video_embeds"),
+}
+
+
+def _grid_rows(name: str, grid: Any) -> list[tuple[int, int, int]]:
+    if isinstance(grid, torch.Tensor | np.ndarray):
+        if grid.ndim != 2:
+            raise ContractError(f"expected [items, 3], got shape {list(grid.shape)}", field=name)
+        rows = grid.tolist()
+    else:
+        rows = [g.tolist() if isinstance(g, torch.Tensor) else list(g) for g in grid]
+    if any(len(r) != 3 for r in rows):
+        raise ContractError(f"expected rows of (t, h, w), got {rows}", field=name)
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
+
+
+class Qwen2VL(nn.Module):
+    """Qwen2-VL's multimodal encoder as the runtime drives it (see
+    :class:`mmferry.encoder.model.EncoderModel`).
+
+    Build with :func:`mmferry.models.load`. Parameters live under ``visual.`` with the public
+    checkpoint's names.
+    """
+
+    name = "qwen2-vl"
+    modalities = ("image", "video")
+    # Checkpoint key prefix -> our name prefix: the public layout, and the one transformers
+    # >= 5 uses in memory (and newer versions save).
+    checkpoint_prefixes: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"visual.": "visual.", "model.visual.": "visual."})
+
+    def __init__(self, config: VisionConfig = TINY,
+                 processor_config: ProcessorConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.processor_config = processor_config or ProcessorConfig()
+        self.hidden_size = config.hidden_size
+        self.visual = VisionTower(config)
+
+    def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
+                  min_pixels: int | None = None, max_pixels: int | None = None,
+                  ) -> dict[str, torch.Tensor]:
+        """Images and videos to ``pixel_values`` ``[Σ t·h·w, C·Tp·P·P]`` float32 and
+        ``image_grid_thw`` ``[n, 3]`` int64 (``pixel_values_videos`` / ``video_grid_thw``).
+
+        ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
+        takes. ``videos``: a sequence of videos, each its frames (or a ``T×H×W×C`` array);
+        a plain sequence of frames is one video. Frames are padded to a multiple of the
+        temporal patch by repeating the last. ``min_pixels`` / ``max_pixels`` override the
+        resize bounds of both. A modality without media has no fields in the output.
+
+        Raises:
+            MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
+                above 200; it names the file or ``item N``.
+        """
+        if audios is not None:
+            raise ArgumentError("qwen2-vl takes images and videos, not audio", argument="audios")
+        pc = self.processor_config
+        out: dict[str, torch.Tensor] = {}
+        images = [load_image(x, index=i) for i, x in enumerate(_as_list(images))]
+        if images:
+            frames = [[img] for img in images]
+            self._process(out, "image", frames, min_pixels or pc.min_pixels,
+                          max_pixels or pc.max_pixels)
+        videos = [load_video(v, index=i) for i, v in enumerate(_as_videos(videos))]
+        if videos:
+            self._process(out, "video", videos, min_pixels or pc.video_min_pixels,
+                          max_pixels or pc.video_max_pixels)
+        return out
+
+    def _process(self, out: dict[str, torch.Tensor], modality: str,
+                 media: list[list[Image.Image]], min_pixels: int, max_pixels: int) -> None:
+        cfg = self.config
+        patch, merge, temporal = cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size
+        sizes, grids = [], []
+        for i, frames in enumerate(media):
+            width, height = frames[0].size
+            try:
+                h, w = smart_resize(height, width, patch * merge, min_pixels, max_pixels)
+            except ValueError as e:
+                raise MediaError(str(e), source=f"item {i}") from None
+            t = 1 if modality == "image" else -(-len(frames) // temporal)
+            sizes.append((h, w))
+            grids.append((t, h // patch, w // patch))
+        rows = [t * gh * gw for t, gh, gw in grids]
+        pixels = torch.empty((sum(rows), cfg.in_channels * temporal * patch * patch),
+                             dtype=torch.float32)
+        flat = pixels.numpy()
+        table = _normalise_table(tuple(self.processor_config.image_mean),
+                                 tuple(self.processor_config.image_std))
+        start = 0
+        for frames, (h, w), n in zip(media, sizes, rows, strict=True):
+            if len(frames) > 1 and len(frames) % temporal:
+                frames = frames + [frames[-1]] * (temporal - len(frames) % temporal)
+            stack = np.stack([_resize(f, h, w) for f in frames])
+            _patchify_into(flat[start:start + n], stack, table, patch=patch, merge=merge,
+                           temporal=temporal)
+            start += n
+        values, grid_name, _ = _FIELDS[modality]
+        out[values] = pixels
+        out[grid_name] = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+
+    def field_specs(self, outputs: Mapping[str, Any]) -> dict[str, FieldSpec]:
+        """Pixels and embeddings split by the grid (rows per item, and rows per item over
+        merge² for embeddings); grids are per item and stay on the host. Names exactly the
+        fields present in ``outputs``."""
+        specs: dict[str, FieldSpec] = {}
+        merge2 = self.config.spatial_merge_size ** 2
+        for modality, (values, grid_name, embeds) in _FIELDS.items():
+            present = [k for k in (values, embeds) if outputs.get(k) is not None]
+            if outputs.get(grid_name) is None:
+                if present:
+                    raise ContractError(f"{grid_name} is needed to split it", field=present[0])
+                continue
+            patches = torch.as_tensor(outputs[grid_name]).reshape(-1, 3).prod(-1)
+            specs[grid_name] = FieldSpec.batched(modality, placement="host")
+            if values in present:
+                specs[values] = FieldSpec.flat_from_sizes(modality, patches)
+            if embeds in present:
+                specs[embeds] = FieldSpec.flat_from_sizes(modality, patches // merge2)
+        return specs
+
+    def tokens_per_item(self, item: Mapping[str, Any]) -> int:
+        """``t·h·w / merge²`` from the item's host grid."""
+        for _, grid_name, _ in _FIELDS.values():
+            if grid_name in item:
+                ((t, h, w),) = _grid_rows(grid_name, [item[grid_name]])
+                return t * h * w // self.config.spatial_merge_size ** 2
+        raise ContractError("an item needs image_grid_thw or video_grid_thw to count its tokens",
+                            field="image_grid_thw")
+
+    def encode(self, **batch: Any) -> torch.Tensor:
+        """One modality's batch to ``[Σ tokens, hidden_size]``.
+
+        ``pixel_values`` + ``image_grid_thw`` (or the video pair) run the vision tower;
+        ``image_embeds`` / ``video_embeds`` pass through unchanged. The grid is read on the
+        host; only the pixels need to be on the model's device.
+        """
+        modalities = [m for m, names in _FIELDS.items() if any(k in batch for k in names)]
+        if len(modalities) != 1:
+            raise ContractError(f"a batch holds exactly one of image or video fields, got "
+                                f"{sorted(batch)}", field=None)
+        values, grid_name, embeds = _FIELDS[modalities[0]]
+        unknown = set(batch) - set(_FIELDS[modalities[0]])
+        if unknown:
+            raise ContractError("not a qwen2-vl field", field=sorted(unknown)[0])
+        if values in batch and embeds in batch:
+            raise ContractError(f"give {values} or {embeds}, not both", field=embeds)
+        if grid_name not in batch:
+            raise ContractError("missing from the batch", field=grid_name)
+        grid = _grid_rows(grid_name, batch[grid_name])
+        merge2 = self.config.spatial_merge_size ** 2
+        if embeds in batch:
+            out = batch[embeds]
+            tokens = sum(t * h * w // merge2 for t, h, w in grid)
+            if out.ndim != 2 or out.shape[0] != tokens or out.shape[1] != self.hidden_size:
+                raise ContractError(f"expected [{tokens}, {self.hidden_size}] from the grid, got "
+                                    f"{list(out.shape)}", field=embeds)
+            return out
+        pixels = batch.get(values)
+        if pixels is None:
+            raise ContractError("missing from the batch", field=values)
+        merge = self.config.spatial_merge_size
+        if any(h % merge or w % merge for _, h, w in grid):
+            raise ContractError(f"grid rows {grid} are not multiples of the merge size {merge}",
+                                field=grid_name)
+        rows = sum(t * h * w for t, h, w in grid)
+        if pixels.ndim != 2 or pixels.shape[0] != rows:
+            raise ContractError(f"expected {rows} rows from {grid_name}, got shape "
+                                f"{list(pixels.shape)}", field=values)
+        if not rows:
+            weight = self.visual.patch_embed.proj.weight
+            return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
+        return self.visual(pixels, grid)
+
+    def dummy_inputs(self) -> dict[str, torch.Tensor]:
+        """Processor output for two small seeded images of different sizes."""
+        rng = np.random.default_rng(0)
+        images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((56, 84), (84, 112))]
+        return self.processor(images=images)
