@@ -153,3 +153,40 @@ def test_merge_embeddings_places_rows_and_rejects_count_mismatch() -> None:
         mf.merge_embeddings(torch.zeros(2, 5, 3), mask, torch.ones(2, 3))
     with pytest.raises(mf.ContractError, match="hidden size"):
         mf.merge_embeddings(torch.zeros(2, 5, 3), mask, torch.ones(3, 4))
+
+
+def test_qwen2_vl_end_to_end_with_cache_merge_and_precomputed_embeds() -> None:
+    from PIL import Image
+
+    model = mf.models.load("qwen2-vl")
+    rng = torch.Generator().manual_seed(0)
+    pics = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy())
+            for h, w in [(56, 84), (112, 56)]]
+    outputs = model.processor(images=pics)
+    items = mf.split_items(outputs, model.field_specs(outputs))["image"]
+    runner = mf.EncoderRunner(model, mf.EncoderCache(max_tokens=1000))
+    embeds = runner.encode(items, request="r1")
+    assert [e.shape for e in embeds] == [(model.tokens_per_item(it), model.hidden_size) for it in items]
+    for item, got in zip(items, embeds, strict=True):
+        alone = model.encode(**mf.Transfer("cpu").to_device(mf.batch_items([item])[0]))
+        # Row-count-dependent matmul blocking moves float32 results by a few ulps.
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
+    calls_before = runner.last.encoder_calls
+    runner.encode(items[::-1], request="r2")
+    assert runner.last.status == ["hit", "hit"] and calls_before == 1
+
+    # Precomputed embeddings: ordinary items of the same modality that skip the encoder.
+    grid = outputs["image_grid_thw"][:1]
+    given = {"image_embeds": embeds[0].clone(), "image_grid_thw": grid}
+    pre = mf.split_items(given, model.field_specs(given))["image"]
+    fresh = mf.EncoderRunner(model)
+    (out,) = fresh.encode(pre)
+    assert torch.equal(out, given["image_embeds"]) and fresh.last.encoder_calls == 0
+
+    # Merge into a language-model input at the placeholder positions.
+    n = sum(e.shape[0] for e in embeds)
+    inputs = torch.zeros(1, n + 3, model.hidden_size)
+    mask = torch.zeros(1, n + 3, dtype=torch.bool)
+    mask[0, 1:n + 1] = True
+    merged = mf.merge_embeddings(inputs, mask, embeds)
+    assert torch.equal(merged[0, 1:n + 1], torch.cat(embeds)) and merged[0, 0].abs().sum() == 0
