@@ -8,7 +8,7 @@ The public API, in data-flow order: the field contract (:class:`FieldSpec`,
 (:mod:`mmferry.audit`).
 """
 
-from mmferry import models, wire
+from mmferry import audit, models, wire
 from mmferry.batching import Batch, batch_items
 from mmferry.encoder import (
     EncoderCache,
@@ -42,6 +42,7 @@ __all__ = [
     "Placement",
     "Transfer",
     "WireError",
+    "audit",
     "batch_items",
     "hash_media",
     "merge_embeddings",

@@ -13,8 +13,11 @@ def main() -> None:
     """mmferry: the multimodal input data path of LLM inference engines."""
 
 
+
+from mmferry.cli.audit import audit_command  # noqa: E402
 from mmferry.cli.encode import encode  # noqa: E402
 from mmferry.cli.models import models_command  # noqa: E402
 
+main.add_command(audit_command)
 main.add_command(encode)
 main.add_command(models_command)

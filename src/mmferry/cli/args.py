@@ -30,12 +30,12 @@ __all__ = [
 T = TypeVar("T", bound=Callable[..., Any])
 
 
-def check_model(name: str) -> str:
+def check_model(name: str, argument: str = "--model") -> str:
     from mmferry import models
 
     known = models.names()
     if name not in known:
-        raise ArgumentError(f"unknown model {name!r}; known: {', '.join(known)}", argument="--model")
+        raise ArgumentError(f"unknown model {name!r}; known: {', '.join(known)}", argument=argument)
     return name
 
 
