@@ -242,6 +242,13 @@ def test_b16_hash_keys_deterministic_over_model_content_and_kwargs() -> None:
     assert h != mf.hash_media(raw, model_id="m", modality="image", processor_kwargs={"a": 1})
     assert h != mf.hash_media(raw + b"!", model_id="m", modality="image",
                               processor_kwargs={"a": 1, "b": 2})
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8).numpy()
+    pil = mf.hash_media(Image.fromarray(pixels), model_id="m", modality="image")
+    assert pil == mf.hash_media(Image.fromarray(pixels.copy()), model_id="m", modality="image")
+    pixels[0, 0, 0] ^= 1
+    assert pil != mf.hash_media(Image.fromarray(pixels), model_id="m", modality="image")
     # The same image at another position of another request has the same item key.
     o1, s1 = qwen_like([[1, 2, 2], [1, 2, 4]])
     o2, s2 = qwen_like([[1, 2, 4]])

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from blake3 import blake3
+from PIL import Image
 
 if TYPE_CHECKING:
     from mmferry.fields import FieldSpec
 
-__all__ = ["hash_item", "hash_media"]
+__all__ = ["hash_item", "hash_media", "payload_nbytes"]
 
 # Above this many payload bytes blake3's multithreaded mode pays for its start-up.
 _THREADED_BYTES = 1 << 20
@@ -69,7 +70,7 @@ def _update(h: blake3, value: Any) -> None:
         for k in sorted(value, key=str):
             _frame(h, b"k", str(k).encode())
             _update(h, value[k])
-    elif _is_pil_image(value):
+    elif isinstance(value, Image.Image):
         _frame(h, b"P", f"{value.mode}|{value.size}".encode())
         _frame(h, b"B", value.tobytes())
         palette = value.getpalette()
@@ -79,19 +80,12 @@ def _update(h: blake3, value: Any) -> None:
         raise TypeError(f"cannot hash a value of type {type(value).__name__}")
 
 
-def _is_pil_image(value: Any) -> bool:
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow is a core dependency
-        return False
-    return isinstance(value, Image.Image)
-
-
-def _nbytes(value: Any) -> int:
+def payload_nbytes(value: Any) -> int:
+    """Tensor bytes in a field value (a tensor, or nested lists of them); 0 for plain values."""
     if isinstance(value, torch.Tensor):
         return value.nbytes
     if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
+        return sum(payload_nbytes(v) for v in value)
     return 0
 
 
@@ -101,7 +95,7 @@ def _hasher(nbytes: int) -> blake3:
 
 def hash_item(modality: str, data: Mapping[str, Any], specs: Mapping[str, FieldSpec]) -> str:
     """Hex digest of one item: modality, then per field (sorted) name, spec and value."""
-    h = _hasher(sum(_nbytes(v) for v in data.values()))
+    h = _hasher(sum(payload_nbytes(v) for v in data.values()))
     _frame(h, b"m", modality.encode())
     for name in sorted(data):
         _frame(h, b"k", name.encode())
@@ -123,7 +117,7 @@ def hash_media(
     Encoded file bytes are hashed as they are (no decoding); kwargs are hashed by sorted key,
     so their order does not matter.
     """
-    h = _hasher(_nbytes(media))
+    h = _hasher(payload_nbytes(media))
     _frame(h, b"id", model_id.encode())
     _frame(h, b"m", modality.encode())
     _update(h, media)

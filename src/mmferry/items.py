@@ -10,7 +10,7 @@ import torch
 
 from mmferry.errors import ContractError
 from mmferry.fields import FieldSpec, split_field
-from mmferry.hashing import hash_item
+from mmferry.hashing import hash_item, payload_nbytes
 
 __all__ = ["Item", "Items", "split_items"]
 
@@ -66,7 +66,7 @@ class Item(Mapping[str, Any]):
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(v) for v in self._data.values())
+        return sum(payload_nbytes(v) for v in self._data.values())
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={_describe(v)}" for k, v in self._data.items())
@@ -83,14 +83,6 @@ class Item(Mapping[str, Any]):
         )
 
     __hash__ = None  # type: ignore[assignment]
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    return 0
 
 
 def _describe(value: Any) -> str:
