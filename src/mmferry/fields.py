@@ -304,6 +304,10 @@ def _split_flat(name: str, spec: FieldSpec, data: Any) -> list[Any]:
         raise ContractError(
             f"dim {spec.dim} is out of range for a tensor of shape {tuple(data.shape)}", field=name
         )
+    if spec.sizes is not None:
+        # Runs of sizes tile the dimension: one C call makes every item's view.
+        _check_cover(name, spec, data.shape[spec.dim])
+        return list(data.split(spec.sizes, dim=spec.dim))
     out = []
     for i, idx in enumerate(spec.item_slices()):
         if len(idx) > data.ndim:
