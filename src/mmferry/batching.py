@@ -61,7 +61,9 @@ class Batch:
 
 
 def _same_batch(first: Item, item: Item) -> bool:
-    if item.modality != first.modality or item.specs != first.specs:
+    if item.modality != first.modality or (
+        item.specs is not first.specs and item.specs != first.specs
+    ):
         return False
     return all(
         item[name] is first[name] or values_equal(item[name], first[name])

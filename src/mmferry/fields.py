@@ -463,8 +463,21 @@ def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
     A single tensor item is not copied: batched gives a leading-1 view, flat the item itself
     (made contiguous), as vLLM does.
     """
-    if len(values) == 1 and isinstance(values[0], torch.Tensor) and spec.kind != "shared":
-        v = values[0].contiguous()
-        return v.unsqueeze(0) if spec.kind == "batched" else v
+    if spec.kind != "shared" and values and all(isinstance(v, torch.Tensor) for v in values):
+        if len(values) == 1:
+            v = values[0].contiguous()
+            return v.unsqueeze(0) if spec.kind == "batched" else v
+        # The common cases straight to torch (this is the batching hot path); padding,
+        # ragged lists and errors go through the plan.
+        _common_dtype(name, values)
+        shape = values[0].shape
+        if spec.kind == "batched":
+            if all(v.shape == shape for v in values):
+                return torch.stack(values)
+        elif spec.dim < len(shape) and all(
+            v.ndim == len(shape) and v.shape[:spec.dim] == shape[:spec.dim]
+            and v.shape[spec.dim + 1:] == shape[spec.dim + 1:] for v in values
+        ):
+            return torch.cat(values, spec.dim)
     plan = plan_reduction(name, spec, values)
     return plan.fill([torch.empty(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)])

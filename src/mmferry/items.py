@@ -46,7 +46,11 @@ class Item(Mapping[str, Any]):
                 )
         self.modality = modality
         self._data = dict(data)
-        self.specs: Mapping[str, FieldSpec] = MappingProxyType(dict(specs))
+        # Items split together share one read-only specs mapping, so batching compares
+        # them by identity first.
+        self.specs: Mapping[str, FieldSpec] = (
+            specs if isinstance(specs, MappingProxyType) else MappingProxyType(dict(specs))
+        )
         self._hash = hash
 
     def __getitem__(self, key: str) -> Any:
@@ -205,7 +209,7 @@ def split_items(
             raise ContractError(f"item counts disagree within {modality!r}: {detail}", field=bad)
         if n == 0:
             continue
-        item_specs = {k: mspecs[k].for_item() for k in per_field}
+        item_specs = MappingProxyType({k: mspecs[k].for_item() for k in per_field})
         result[modality] = [
             Item(modality, {k: per_field[k][i] for k in per_field}, item_specs) for i in range(n)
         ]

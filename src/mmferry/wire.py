@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Annotated, Any
 
 import msgspec
@@ -406,7 +407,7 @@ def _spec(i: int, row: _Spec) -> FieldSpec:
 
 def _layout(
     i: int, row: _Layout, specs: list[FieldSpec]
-) -> tuple[str, list[str], dict[str, FieldSpec], frozenset[str]]:
+) -> tuple[str, list[str], Mapping[str, FieldSpec], frozenset[str]]:
     if not row.modality:
         raise WireError(f"layout {i}: empty modality", frame=0)
     if len(row.names) != len(row.specs):
@@ -422,7 +423,8 @@ def _layout(
     if len(item_specs) != len(row.names):
         raise WireError(f"layout {i}: repeated field names", frame=0)
     shared = frozenset(n for n, s in item_specs.items() if s.kind == "shared")
-    return row.modality, row.names, item_specs, shared
+    # One read-only mapping per layout: its items share it, and batching compares by identity.
+    return row.modality, row.names, MappingProxyType(item_specs), shared
 
 
 def _locate(
