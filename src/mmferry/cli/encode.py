@@ -138,8 +138,9 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
     print_table(rows)
     stages = runner.last.seconds
     click.echo(
-        f"model {model_name} on {dev}: {runner.last.encoder_calls} encoder call(s), "
-        f"{runner.last.hits} cache hit(s); "
+        f"model {model_name} on {dev}: {runner.last.encoded} item(s) encoded in "
+        f"{runner.last.encoder_calls} encoder call(s), {runner.last.status.count('repeat')} "
+        f"repeat(s), {runner.last.hits} cache hit(s); "
         + ", ".join(f"{k} {_ms(v)} ms" for k, v in stages.items())
     )
     for r in results:
