@@ -81,7 +81,6 @@ def test_list_names_models_and_examples():
 
 
 def test_built_in_models_audit_clean():
-    pytest.importorskip("mmferry.models")
     result = run("audit", "--all")
     assert result.exit_code == 0, result.output
     assert "ok, 0 findings" in result.output

@@ -212,6 +212,8 @@ def test_b12_precomputed_embeds_bypass_and_never_batch_with_pixels() -> None:
     assert len(mf.batch_items([embeds, pixels])) == 2
 
     class Counting(Doubler):
+        precomputed_fields = frozenset({"x_embeds"})
+
         def tokens_per_item(self, item) -> int:
             return item["x_embeds"].shape[0] if "x_embeds" in item else super().tokens_per_item(item)
 
@@ -293,3 +295,14 @@ def test_b20_no_media_no_work() -> None:
     assert len(items) == 0 and mf.batch_items(items) == []
     model = Doubler()
     assert mf.EncoderRunner(model).encode(items) == [] and model.calls == 0
+
+
+def test_b16_paths_hash_by_content(tmp_path) -> None:
+    path = tmp_path / "a.png"
+    path.write_bytes(b"one")
+    first = mf.hash_media(path, model_id="m", modality="image")
+    assert first == mf.hash_media(b"one", model_id="m", modality="image")
+    path.write_bytes(b"two")
+    assert mf.hash_media(str(path), model_id="m", modality="image") != first
+    with pytest.raises(mf.MediaError, match=r"missing\.png"):
+        mf.hash_media(tmp_path / "missing.png", model_id="m", modality="image")

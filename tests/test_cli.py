@@ -82,3 +82,11 @@ def test_models_lists_fields_kinds_and_placements() -> None:
     rows = {tuple(line.split()[:3]): line.split()[3:] for line in result.output.splitlines()[1:]}
     assert rows[("qwen2-vl", "image", "pixel_values")] == ["flat_from_sizes", "device"]
     assert rows[("qwen2-vl", "image", "image_grid_thw")] == ["batched", "host"]
+
+
+def test_item_over_the_step_budget_fails_alone() -> None:
+    result = run("encode", "--samples", "3", "--max-tokens-per-step", "100")
+    assert result.exit_code == 1
+    rows = [line.split() for line in result.stdout.splitlines()[1:4]]
+    assert [r[3] for r in rows] == ["error", "miss", "error"]
+    assert "more than the step budget of 100" in result.stderr

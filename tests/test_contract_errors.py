@@ -106,3 +106,12 @@ def test_spec_is_immutable_comparable_hashable_serialisable() -> None:
     with pytest.raises(AttributeError):
         spec.placement = mf.Placement.DEVICE  # type: ignore[misc]
     assert mf.Placement("host") == "host" and str(mf.Placement.BOTH) == "both"
+
+
+def test_specs_validate_their_split_plan() -> None:
+    with pytest.raises(mf.ContractError, match="cannot cut along dim 1"):
+        F.flat("audio", [(slice(0, 2),), (slice(2, 4),)], dim=1)
+    with pytest.raises(mf.ContractError, match="non-negative ints"):
+        F.from_dict({"kind": "flat", "modality": "a", "sizes": [-3, 1]})
+    with pytest.raises(mf.ContractError, match="slices must be"):
+        F.from_dict({"kind": "flat", "modality": "a", "slices": [[[0, 1.5, None]]]})

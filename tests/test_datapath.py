@@ -156,27 +156,50 @@ def test_staging_block_recycled_only_after_its_copy_completed() -> None:
     stats = mf.transfer.TransferStats()
     pool = mf.transfer.StagingPool(2, pin_memory=False, stats=stats)
     a = pool.acquire(1000)
+    assert pool.in_use() == 1
     ea = FakeEvent()
     pool.release(a, ea)
+    assert pool.in_use() == 1  # released, but its copy is still in flight
     b = pool.acquire(1000)  # a's copy is in flight: a new block
     assert b.buffer.data_ptr() != a.buffer.data_ptr()
     eb = FakeEvent()
     pool.release(b, eb)
     ea.done = True
+    assert pool.in_use() == 1
     c = pool.acquire(1000)  # a completed: reused
     assert c.buffer.data_ptr() == a.buffer.data_ptr() and stats.waits == 0
     pool.release(c, FakeEvent())
     d = pool.acquire(1000)  # both in flight, pool full: waits for the oldest (b)
     assert d.buffer.data_ptr() == b.buffer.data_ptr() and eb.waited == 1 and stats.waits == 1
-    assert stats.staging_blocks == 2 and stats.staging_in_use == 1
+    assert stats.staging_blocks == 2 and pool.in_use() == 2
     pool.release(d, None)
-    big = pool.acquire(1 << 20)  # too small blocks: the oldest is replaced, never grows past 2
-    assert big.buffer.numel() >= 1 << 20 and stats.staging_blocks == 2
+    big = pool.acquire(1 << 20)  # d's block is free but small: replaced without waiting
+    assert big.buffer.numel() >= 1 << 20 and stats.staging_blocks == 2 and stats.waits == 1
+    pool.release(big, FakeEvent())
+    # Both blocks in flight again: the next caller waits for the oldest, never allocates.
+    pool.acquire(10)
+    assert stats.waits == 2 and stats.staging_blocks == 2
+
+
+def test_transfer_stats_count_blocks_in_flight() -> None:
+    grid = torch.tensor([[1, 2, 2]])
+    items = mf.split_items({"x": torch.ones(4, 3), "g": grid},
+                           {"x": F.flat_from_sizes("image", [4]), "g": F.batched("image", placement="host")})
+    (batch,) = mf.batch_items(items)
+    transfer = mf.Transfer("meta", max_staging_blocks=1)
+    for _ in range(3):
+        transfer.to_device(batch)
+    stats = transfer.stats
+    assert (stats.batches, stats.copies, stats.staging_blocks, stats.staging_in_use) == (3, 3, 1, 0)
+    assert stats.bytes == 3 * 256
 
 
 def test_transfer_rejects_unsupported_device() -> None:
     with pytest.raises(mf.ArgumentError, match="device"):
         mf.Transfer("xpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(mf.ArgumentError, match="CUDA is not available"):
+            mf.Transfer("cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

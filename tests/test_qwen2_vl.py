@@ -6,20 +6,18 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    Qwen2VisionTransformerPretrainedModel,
+)
 
 import mmferry.models as models
 from mmferry.errors import ContractError, MediaError
 from mmferry.items import split_items
 from mmferry.models.qwen2_vl import Qwen2VL, smart_resize
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig  # noqa: E402
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: E402
-    Qwen2VLImageProcessorPil,
-)
-from transformers.models.qwen2_vl.modeling_qwen2_vl import (  # noqa: E402
-    Qwen2VisionTransformerPretrainedModel,
-)
 
 # Small but faithful: 2 blocks, 2 heads of 24 (head_dim/4 = 6 rotary frequencies per axis),
 # the real patch 14 / temporal patch 2 / merge 2, and a non-default rotary base, so a wrong

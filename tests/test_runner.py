@@ -190,3 +190,31 @@ def test_qwen2_vl_end_to_end_with_cache_merge_and_precomputed_embeds() -> None:
     mask[0, 1:n + 1] = True
     merged = mf.merge_embeddings(inputs, mask, embeds)
     assert torch.equal(merged[0, 1:n + 1], torch.cat(embeds)) and merged[0, 0].abs().sum() == 0
+
+
+def test_cache_entries_own_their_rows() -> None:
+    runner = mf.EncoderRunner(PatchEncoder(), mf.EncoderCache(max_tokens=100))
+    outs = runner.encode(images([4, 2, 6]))
+    for out in outs:  # an entry must not pin the whole batch output when others are evicted
+        assert out.untyped_storage().nbytes() == out.nbytes
+    assert runner.cache.stats.bytes == sum(o.nbytes for o in outs)
+
+
+def test_output_width_must_be_the_hidden_size() -> None:
+    class Wide(PatchEncoder):
+        hidden_size = 4
+
+    with pytest.raises(mf.ContractError, match="width 8, expected its hidden size 4"):
+        mf.EncoderRunner(Wide()).encode(images([4]))
+
+
+def test_cache_evicts_least_recently_used_first() -> None:
+    cache = mf.EncoderCache(max_tokens=6)
+    for key in "abc":
+        cache.put(key, torch.zeros(2, 1), request="r")
+    cache.get("a", request="r2")  # a is now the most recently used
+    cache.release("r")
+    cache.release("r2")
+    cache.put("d", torch.zeros(4, 1))
+    assert "a" in cache and "b" not in cache and "c" not in cache
+    assert cache.stats.evictions == 2 and cache.stats.tokens == 6

@@ -85,7 +85,9 @@ class FieldSpec:
     Build with :meth:`batched`, :meth:`flat`, :meth:`flat_from_sizes` or :meth:`shared`.
     ``slices`` / ``sizes`` / ``batch_size`` describe the split of one processor call; after the
     split each item carries :meth:`for_item`, which drops them, so an item's spec depends only
-    on the field's kind and never on the item's position in its request.
+    on the field's kind and never on the item's position in its request. ``dim`` counts from
+    the front (vLLM also accepts a negative ``dim``, but only its merge honours it: its split
+    would cut along dim 0).
     """
 
     kind: str
@@ -111,6 +113,20 @@ class FieldSpec:
             raise ContractError(f"{self.kind} fields take no batch_size")
         if self.slices is not None and self.sizes is not None:
             raise ContractError("a flat field takes slices or sizes, not both")
+        if self.sizes is not None and not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.sizes
+        ):
+            raise ContractError(f"sizes must be non-negative ints, got {list(self.sizes)}")
+        if self.slices is not None and not all(
+            isinstance(s, tuple) and len(s) > self.dim and all(
+                isinstance(b, tuple) and len(b) == 3
+                and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in b)
+                for b in s)
+            for s in self.slices
+        ):
+            raise ContractError(
+                f"slices must be per-item tuples of (start, stop, step) covering dim {self.dim}"
+            )
         if self.batch_size is not None and (
             not isinstance(self.batch_size, int) or self.batch_size < 0
         ):
@@ -160,6 +176,10 @@ class FieldSpec:
             if isinstance(s, slice):
                 items.append((*prefix, _bounds(s)))
             elif isinstance(s, tuple) and all(isinstance(p, slice) for p in s):
+                if len(s) <= dim:
+                    raise ContractError(
+                        f"a slice tuple of {len(s)} dimensions cannot cut along dim {dim}"
+                    )
                 items.append(tuple(_bounds(p) for p in s))
             else:
                 raise ContractError(f"each item's slice must be a slice or a tuple of slices, got {s!r}")

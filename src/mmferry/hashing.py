@@ -8,14 +8,18 @@ contribute dtype, shape and raw bytes (bfloat16 by its bytes), never a pickle.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from blake3 import blake3
 from PIL import Image
+
+from mmferry.errors import MediaError
 
 if TYPE_CHECKING:
     from mmferry.fields import FieldSpec
@@ -114,9 +118,18 @@ def hash_media(
     """Hex digest of raw media (file bytes, a PIL image, an array or tensor) together with
     the model id and the processor kwargs: the key for caching before processing.
 
-    Encoded file bytes are hashed as they are (no decoding); kwargs are hashed by sorted key,
-    so their order does not matter.
+    Encoded file bytes are hashed as they are (no decoding); a path (``str`` or
+    ``os.PathLike``) is hashed by its file's bytes, so the key follows the content, not the
+    name. kwargs are hashed by sorted key, so their order does not matter.
+
+    Raises:
+        MediaError: a path that cannot be read.
     """
+    if isinstance(media, str | os.PathLike):
+        try:
+            media = Path(media).read_bytes()
+        except OSError as e:
+            raise MediaError(f"cannot read the file ({e.strerror})", source=os.fspath(media)) from None
     h = _hasher(payload_nbytes(media))
     _frame(h, b"id", model_id.encode())
     _frame(h, b"m", modality.encode())

@@ -16,6 +16,7 @@ Without CUDA, ``device="cpu"`` runs the same packing and hands out views of the 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -84,7 +85,8 @@ class StagingPool:
         self.max_blocks = max_blocks
         self.pin_memory = pin_memory
         self.stats = stats
-        self._blocks: list[_Block] = []  # oldest release first
+        self._blocks: list[_Block] = []  # released blocks, oldest release first
+        self._out = 0  # acquired, not yet released
 
     def _new(self, nbytes: int) -> _Block:
         size = max(_MIN_BLOCK, 1 << (nbytes - 1).bit_length())
@@ -93,19 +95,23 @@ class StagingPool:
         return _Block(buffer)
 
     def acquire(self, nbytes: int) -> _Block:
+        # Prefer, in order: a completed block big enough; a new block while there is room; a
+        # completed block too small (replaced, no wait); only then wait for the oldest copy.
         for i, block in enumerate(self._blocks):
             if block.buffer.numel() >= nbytes and block.free():
                 return self._take(i)
-        if len(self._blocks) < self.max_blocks:
+        if self.stats.staging_blocks < self.max_blocks:
             self.stats.staging_blocks += 1
-            self.stats.staging_in_use += 1
+            self._out += 1
             return self._new(nbytes)
-        oldest = self._blocks[0]
-        if not oldest.free():
+        index = next((i for i, b in enumerate(self._blocks) if b.free()), None)
+        if index is None:
+            index = 0
             self.stats.waits += 1
+            oldest = self._blocks[0]
             assert oldest.event is not None
             oldest.event.synchronize()
-        block = self._take(0)
+        block = self._take(index)
         if block.buffer.numel() < nbytes:
             self.stats.staging_bytes -= block.buffer.numel()
             block = self._new(nbytes)
@@ -114,13 +120,17 @@ class StagingPool:
     def _take(self, index: int) -> _Block:
         block = self._blocks.pop(index)
         block.event = None
-        self.stats.staging_in_use += 1
+        self._out += 1
         return block
 
     def release(self, block: _Block, event: Event | None) -> None:
         block.event = event
-        self.stats.staging_in_use -= 1
+        self._out -= 1
         self._blocks.append(block)
+
+    def in_use(self) -> int:
+        """Blocks being packed or read by a copy that has not completed."""
+        return self._out + sum(not b.free() for b in self._blocks)
 
 
 class DeviceBatch(Mapping[str, Any]):
@@ -193,15 +203,25 @@ class Transfer:
             raise ArgumentError(
                 f"unsupported device {self.device}; expected cuda, cpu or meta", argument="device"
             )
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.stats = TransferStats()
-        self._copies = self.device.type not in ("cpu", "meta")
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ArgumentError("CUDA is not available on this machine", argument="device")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        self._stats = TransferStats()
+        self._copies = self.device.type == "cuda"
         self._pool = StagingPool(
             max_staging_blocks,
             pin_memory=self.device.type == "cuda",
-            stats=self.stats,
+            stats=self._stats,
         )
+
+    @property
+    def stats(self) -> TransferStats:
+        """Counters: batches, copies, bytes copied, staging blocks (allocated, in use: being
+        packed or read by an incomplete copy), staging bytes, and waits on a full pool."""
+        self._stats.staging_in_use = self._pool.in_use()
+        return self._stats
 
     def to_device(self, batch: Batch) -> DeviceBatch:
         """Place every field of ``batch`` where its spec says."""
@@ -226,8 +246,8 @@ class Transfer:
                 offsets.append(total)
                 total += -(-shape.numel() * dtype.itemsize // ALIGNMENT) * ALIGNMENT
 
-        self.stats.batches += 1
-        if not self._copies and self.device.type == "cpu":
+        self._stats.batches += 1
+        if self.device.type == "cpu":
             # The packed block is the "device" block: nothing to copy, nothing to recycle.
             block = torch.empty(total, dtype=torch.uint8)
             for name, plan, views in zip(names, plans, _views(block, offsets, plans), strict=True):
@@ -240,15 +260,17 @@ class Transfer:
         try:
             host_views = _views(staging.buffer, offsets, plans)
             packed = [plan.fill(views) for plan, views in zip(plans, host_views, strict=True)]
-            device_block = torch.empty(total, dtype=torch.uint8, device=self.device)
-            if total:
-                device_block.copy_(staging.buffer[:total], non_blocking=True)
-                self.stats.copies += 1
-                self.stats.bytes += total
-            if self._copies:
-                event = torch.cuda.Event() if self.device.type == "cuda" else None
-                if event is not None:
-                    event.record()
+            # The copy and its event go on the destination device's current stream, which is
+            # also where the encoder will read the block.
+            with torch.cuda.device(self.device) if self._copies else nullcontext():
+                device_block = torch.empty(total, dtype=torch.uint8, device=self.device)
+                if total:
+                    device_block.copy_(staging.buffer[:total], non_blocking=True)
+                    self._stats.copies += 1
+                    self._stats.bytes += total
+                if self._copies:
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(self.device))
         finally:
             self._pool.release(staging, event)
         device_views = _views(device_block, offsets, plans)

@@ -76,7 +76,8 @@ def fix_hint(kind: str, fields: tuple[str, ...], placements: Mapping[str, str],
                 "the contract place the field on the device")
     if kind == "async_copy_race":
         if detail == "read":
-            return "fix: synchronize (event.synchronize()) before reading the copied result"
+            return ("fix: synchronize (torch.cuda.synchronize() or the copy's event) before "
+                    "reading the copied result")
         return "fix: wait for the copy (event or stream sync) before writing the source buffer"
     raise ValueError(f"unknown finding kind {kind!r}")
 

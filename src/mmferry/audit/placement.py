@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 
@@ -157,12 +157,13 @@ def suggest_specs(
     inputs: Mapping[str, Any],
     specs: Mapping[str, FieldSpec | Placement | str],
     *,
-    file: TextIO | None = sys.stdout,
+    file: TextIO | Literal["stdout"] | None = "stdout",
     name: str = "specs",
     **options: Any,
 ) -> str:
-    """Print (to ``file``; None prints nothing) and return the spec mapping with every
-    placement corrected, as Python source; a comment gives the reason for each change."""
+    """Print (to ``file``: standard output as it is at call time by default; None prints
+    nothing) and return the spec mapping with every placement corrected, as Python source; a
+    comment gives the reason for each change."""
     evidence = explain(fn, inputs, specs, **options)
     lines = [f"{name} = {{"]
     for field, spec in specs.items():
@@ -175,5 +176,5 @@ def suggest_specs(
     lines.append("}")
     code = "\n".join(lines)
     if file is not None:
-        print(code, file=file)
+        print(code, file=sys.stdout if file == "stdout" else file)
     return code

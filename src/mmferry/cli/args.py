@@ -8,7 +8,7 @@ a usage error (exit code 2) for click commands.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,7 +19,6 @@ from mmferry.errors import ArgumentError
 
 __all__ = [
     "check_device",
-    "check_files",
     "check_model",
     "check_out",
     "check_positive",
@@ -60,12 +59,6 @@ def check_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ArgumentError(f"unsupported device {device!r}; use cpu or cuda", argument="--device")
     return dev
-
-
-def check_files(files: Sequence[str]) -> list[Path]:
-    # Missing files are reported per file by the command (the others still run); here only
-    # what makes the whole call meaningless is refused.
-    return [Path(f) for f in files]
 
 
 def check_out(path: str | None, *, suffix: str = ".safetensors") -> Path | None:

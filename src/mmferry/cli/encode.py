@@ -10,12 +10,10 @@ from pathlib import Path
 
 import click
 import numpy as np
-import torch
 from PIL import Image
 
 from mmferry.cli.args import (
     check_device,
-    check_files,
     check_model,
     check_out,
     check_positive,
@@ -111,7 +109,7 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
         raise click.UsageError("give FILES or --samples, not both")
 
     with tempfile.TemporaryDirectory(prefix="mmferry-samples-") as tmp:
-        paths = write_samples(samples, Path(tmp)) if samples else check_files(files)
+        paths = write_samples(samples, Path(tmp)) if samples else [Path(f) for f in files]
         model = models.load(model_name, weights=weights_dir).to(dev).eval()
         runner = EncoderRunner(model, EncoderCache(max_tokens=1 << 20), device=dev,
                                max_tokens_per_step=max_tokens_per_step)
@@ -121,9 +119,14 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
 
         for path in tqdm(paths, desc="preprocess", disable=not show_progress, unit="file"):
             results.append(_prepare(model, path))
+        budget = min(runner.max_tokens_per_step, runner.cache.max_tokens)
+        for r in results:
+            # An item no step can hold fails alone, before it can fail the whole run.
+            if r.item is not None and (n := model.tokens_per_item(r.item)) > budget:
+                r.item, r.error = None, (f"{r.path}: {n} tokens, more than the step budget of "
+                                         f"{budget} (--max-tokens-per-step)")
         good = [r for r in results if r.item is not None]
-        with torch.inference_mode():
-            embeddings = runner.encode([r.item for r in good], request="cli") if good else []
+        embeddings = runner.encode([r.item for r in good], request="cli") if good else []
         status = dict(zip(map(id, good), runner.last.status, strict=True))
 
     rows = [("file", "tokens", "embedding", "cache", "decode ms", "process ms", "split ms")]
@@ -137,12 +140,13 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
                      _ms(r.seconds["decode"]), _ms(r.seconds["process"]), _ms(r.seconds["split"])))
     print_table(rows)
     stages = runner.last.seconds
-    click.echo(
-        f"model {model_name} on {dev}: {runner.last.encoded} item(s) encoded in "
-        f"{runner.last.encoder_calls} encoder call(s), {runner.last.status.count('repeat')} "
-        f"repeat(s), {runner.last.hits} cache hit(s); "
-        + ", ".join(f"{k} {_ms(v)} ms" for k, v in stages.items())
-    )
+    if good:
+        click.echo(
+            f"model {model_name} on {dev}: {runner.last.encoded} item(s) encoded in "
+            f"{runner.last.encoder_calls} encoder call(s), {runner.last.status.count('repeat')} "
+            f"repeat(s), {runner.last.hits} cache hit(s); "
+            + ", ".join(f"{k} {_ms(v)} ms" for k, v in stages.items())
+        )
     for r in results:
         if r.error is not None:
             click.echo(f"error: {r.error}", err=True)

@@ -40,8 +40,11 @@ class EncoderCache:
         self.max_tokens = max_tokens
         self.stats = CacheStats()
         self._entries: dict[str, torch.Tensor] = {}
-        self._refs: dict[str, set[Hashable]] = {}
-        self._freeable: OrderedDict[str, None] = OrderedDict()  # unreferenced, oldest first
+        self._refs: dict[str, set[Hashable]] = {}  # entry -> requests referencing it
+        self._held: dict[Hashable, set[str]] = {}  # request -> entries it references
+        self._freeable: OrderedDict[str, None] = OrderedDict()  # unreferenced, least recent first
+        self._last_use: dict[str, int] = {}
+        self._clock = 0
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -56,6 +59,7 @@ class EncoderCache:
             self.stats.misses += 1
             return None
         self.stats.hits += 1
+        self._touch(key)
         if request is not None:
             self.reference(key, request)
         elif key in self._freeable:
@@ -83,6 +87,7 @@ class EncoderCache:
             return False
         self._entries[key] = value
         self._refs[key] = set()
+        self._touch(key)
         self.stats.tokens += tokens
         self.stats.bytes += value.nbytes
         self.stats.entries += 1
@@ -92,21 +97,33 @@ class EncoderCache:
             self._freeable[key] = None
         return True
 
+    def _touch(self, key: str) -> None:
+        self._clock += 1
+        self._last_use[key] = self._clock
+
     def reference(self, key: str, request: Hashable) -> None:
         self._refs[key].add(request)
+        self._held.setdefault(request, set()).add(key)
         self._freeable.pop(key, None)
 
     def release(self, request: Hashable) -> None:
-        """Drop every reference ``request`` holds; its entries become freeable, newest last."""
-        for key, refs in self._refs.items():
-            if request in refs:
+        """Drop every reference ``request`` holds; entries no request references any more
+        become freeable, after those already freeable, least recently used first."""
+        freed = []
+        for key in self._held.pop(request, ()):
+            refs = self._refs.get(key)
+            if refs is not None:
                 refs.discard(request)
                 if not refs:
-                    self._freeable[key] = None
+                    freed.append(key)
+        for key in sorted(freed, key=self._last_use.__getitem__):
+            self._freeable[key] = None
 
     def _evict(self, key: str) -> None:
         value = self._entries.pop(key)
-        del self._refs[key]
+        for request in self._refs.pop(key):
+            self._held[request].discard(key)
+        del self._last_use[key]
         self._freeable.pop(key, None)
         self.stats.tokens -= value.shape[0]
         self.stats.bytes -= value.nbytes

@@ -20,6 +20,10 @@ class EncoderModel(Protocol):
     contract for exactly the fields that output holds; ``tokens_per_item`` counts an item's
     output rows from host fields alone, before the encoder runs; ``encode`` takes one batch
     (each field where its placement says) and returns ``[sum of the batch's tokens, hidden]``.
+
+    A model may also declare ``precomputed_fields``: names of fields that already hold encoder
+    output (vLLM's ``image_embeds``); the runner takes a batch carrying one as its output and
+    does not call ``encode``.
     """
 
     name: str

@@ -37,11 +37,6 @@ class RunStats:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
-def _precomputed(item: Item) -> str | None:
-    # vLLM's convention: `image_embeds`, `video_embeds`, `audio_embeds` carry encoder output.
-    return next((name for name in item if name.endswith("_embeds")), None)
-
-
 class EncoderRunner:
     """Encodes items with ``model``, each unique item once, reusing ``cache`` across calls.
 
@@ -64,6 +59,7 @@ class EncoderRunner:
             raise ValueError(f"max_tokens_per_step must be positive, got {max_tokens_per_step}")
         self.max_tokens_per_step = max_tokens_per_step or self.cache.max_tokens
         self.transfer = transfer if transfer is not None else Transfer(self.device)
+        self._precomputed = frozenset(getattr(model, "precomputed_fields", ()))
         self.last = RunStats()
 
     def release(self, request: Hashable) -> None:
@@ -121,7 +117,7 @@ class EncoderRunner:
                 device_batch = self.transfer.to_device(batch)
                 lap("transfer")
                 counts = [tokens[it.hash] for it in batch.items]
-                embeds = _precomputed(batch.items[0])
+                embeds = next((name for name in batch.specs if name in self._precomputed), None)
                 if embeds is not None:
                     output = device_batch[embeds]
                 else:
@@ -130,7 +126,10 @@ class EncoderRunner:
                     stats.encoder_calls += 1
                 lap("encode")
                 self._check(output, counts, batch.items)
-                scatter_output_slices(output, [it.hash for it in batch.items], counts, results)
+                # Cut rows are views; a cache entry must not keep the whole batch output (or,
+                # for precomputed embeddings, the whole transfer block) alive.
+                scatter_output_slices(output, [it.hash for it in batch.items], counts, results,
+                                      clone=embeds is not None or batch.num_items > 1)
                 stats.encoded += batch.num_items
                 lap("scatter")
 
@@ -162,7 +161,13 @@ class EncoderRunner:
                 f"{'' if not isinstance(output, torch.Tensor) else tuple(output.shape)}; "
                 "expected one [tokens, hidden] tensor"
             )
-        # Shapes are host metadata: this check costs no sync.
+        # Shapes are host metadata: these checks cost no sync.
+        hidden = getattr(self.model, "hidden_size", output.shape[1])
+        if output.shape[1] != hidden:
+            raise ContractError(
+                f"model {name} returned rows of width {output.shape[1]}, expected its hidden size "
+                f"{hidden}"
+            )
         if output.shape[0] != sum(counts):
             per_item = ", ".join(f"{it.hash[:12]}={n}" for it, n in zip(items, counts, strict=True))
             raise ContractError(

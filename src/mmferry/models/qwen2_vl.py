@@ -344,8 +344,8 @@ class VisionTower(nn.Module):
         # A quarter of head_dim per axis; rows and columns share the frequencies. Built on the
         # device (a few tiny kernels) rather than kept as a buffer, so nothing but the
         # checkpoint's tensors needs initialising.
-        quarter = self.cfg.embed_dim // self.cfg.num_heads // 2
-        exponents = torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter
+        half = self.cfg.embed_dim // self.cfg.num_heads // 2
+        exponents = torch.arange(0, half, 2, dtype=torch.float, device=device) / half
         return 1.0 / (self.cfg.rope_theta ** exponents)
 
     def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]]) -> torch.Tensor:
@@ -400,6 +400,7 @@ class Qwen2VL(nn.Module):
 
     name = "qwen2-vl"
     modalities = ("image", "video")
+    precomputed_fields = frozenset({"image_embeds", "video_embeds"})
     # Checkpoint key prefix -> our name prefix: the public layout, and the one transformers
     # >= 5 uses in memory (and newer versions save).
     checkpoint_prefixes: ClassVar[Mapping[str, str]] = MappingProxyType(
@@ -415,7 +416,7 @@ class Qwen2VL(nn.Module):
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   min_pixels: int | None = None, max_pixels: int | None = None,
-                  ) -> dict[str, torch.Tensor]:
+                  **kwargs: Any) -> dict[str, torch.Tensor]:
         """Images and videos to ``pixel_values`` ``[Σ t·h·w, C·Tp·P·P]`` float32 and
         ``image_grid_thw`` ``[n, 3]`` int64 (``pixel_values_videos`` / ``video_grid_thw``).
 
@@ -428,7 +429,11 @@ class Qwen2VL(nn.Module):
         Raises:
             MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
                 above 200; it names the file or ``item N``.
+            ArgumentError: audio, or an option other than ``min_pixels`` / ``max_pixels``.
         """
+        if kwargs:
+            raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; qwen2-vl takes "
+                                "min_pixels and max_pixels", argument=sorted(kwargs)[0])
         if audios is not None:
             raise ArgumentError("qwen2-vl takes images and videos, not audio", argument="audios")
         pc = self.processor_config
