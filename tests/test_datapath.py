@@ -209,13 +209,15 @@ def test_cuda_transfer_is_one_async_copy_without_sync() -> None:
     specs = {"pixel_values": F.flat_from_sizes("image", grid.prod(-1)),
              "image_grid_thw": F.batched("image", placement="host")}
     (batch,) = mf.batch_items(mf.split_items(outputs, specs))
-    transfer = mf.Transfer("cuda")
-    transfer.to_device(batch)  # warm the pool and the allocator
+    transfer = mf.Transfer("cuda", max_staging_blocks=2)
+    transfer.to_device(batch)  # warm the pool and both caching allocators
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        moved = transfer.to_device(batch)
+        moved = [transfer.to_device(batch) for _ in range(2)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert moved["image_grid_thw"].device.type == "cpu"
-    assert torch.equal(moved["pixel_values"].cpu(), outputs["pixel_values"])
-    assert transfer.stats.copies == 2
+    for m in moved:
+        assert m["image_grid_thw"].device.type == "cpu"
+        assert torch.equal(m["pixel_values"].cpu(), outputs["pixel_values"])
+    assert transfer.stats.copies == 3 and transfer.stats.staging_blocks <= 2
