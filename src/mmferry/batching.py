@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from mmferry.errors import ContractError
-from mmferry.fields import FieldSpec, Placement, reduce_field
+from mmferry.fields import FieldSpec, reduce_field
 from mmferry.items import Item, Items, values_equal
 
 __all__ = ["Batch", "batch_items"]
@@ -18,8 +18,8 @@ class Batch:
     """Consecutive items of one modality that share their field set, specs and shared values.
 
     ``data`` maps each field to its reduced value (stacked, concatenated, padded or a list,
-    per the field's kind); each field is reduced on first access and kept. ``values(field)`` gives the
-    per-item values unreduced, which is what :class:`mmferry.Transfer` packs straight into its
+    per the field's kind); each field is reduced on first access and kept. ``values(field)``
+    gives the per-item values unreduced, which is what :class:`mmferry.Transfer` packs straight into its
     staging block, so device fields are copied once.
     """
 
@@ -51,10 +51,6 @@ class Batch:
     @property
     def data(self) -> Mapping[str, Any]:
         return {name: self.reduced(name) for name in self.specs}
-
-    def placed(self, *placements: Placement) -> Iterator[str]:
-        """Field names whose placement is one of ``placements``."""
-        return (n for n, s in self.specs.items() if s.placement in placements)
 
     def __repr__(self) -> str:
         return f"Batch({self.modality!r}, num_items={self.num_items}, fields={list(self.specs)})"

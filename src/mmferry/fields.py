@@ -419,6 +419,15 @@ def _common_dtype(name: str, values: Sequence[torch.Tensor]) -> torch.dtype:
     return dtype
 
 
+def _concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
+    """Same rank, ``dim`` in range, and every dimension but ``dim`` equal: a plain concat."""
+    shape = values[0].shape
+    return dim < len(shape) and all(
+        v.ndim == len(shape) and v.shape[:dim] == shape[:dim] and v.shape[dim + 1:] == shape[dim + 1:]
+        for v in values
+    )
+
+
 def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reduction:
     """Describe how ``values`` (one per item, in order) reduce into the batch value."""
     for i, v in enumerate(values):
@@ -454,8 +463,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
     if dim >= ndim:
         raise ContractError(f"dim {dim} is out of range for {ndim}-D items", field=name)
     total = sum(v.shape[dim] for v in values)
-    if all(v.shape[:dim] == shape0[:dim] and v.shape[dim + 1:] == shape0[dim + 1:]
-           for v in values):
+    if _concatenable(values, dim):
         out_shape = torch.Size((*shape0[:dim], total, *shape0[dim + 1:]))
         return Reduction((out_shape,), (dtype,),
                          lambda outs: torch.cat(list(values), dim, out=outs[0]))
@@ -494,10 +502,7 @@ def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
         if spec.kind == "batched":
             if all(v.shape == shape for v in values):
                 return torch.stack(values)
-        elif spec.dim < len(shape) and all(
-            v.ndim == len(shape) and v.shape[:spec.dim] == shape[:spec.dim]
-            and v.shape[spec.dim + 1:] == shape[spec.dim + 1:] for v in values
-        ):
+        elif _concatenable(values, spec.dim):
             return torch.cat(values, spec.dim)
     plan = plan_reduction(name, spec, values)
     return plan.fill([torch.empty(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)])
