@@ -10,7 +10,8 @@ from mmferry.cli import main
 def qwen2_vl_batch():
     model = mf.models.load("qwen2-vl")
     outputs = model.dummy_inputs()
-    (batch,) = mf.batch_items(mf.split_items(outputs, model.field_specs(outputs)))
+    batch = mf.batch_items(mf.split_items(outputs, model.field_specs(outputs)))[0]
+    assert batch.modality == "image"
     return model, batch
 
 

@@ -3,6 +3,8 @@ touch: contract, split, hashing, batching, transfer, encoder runtime."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -175,6 +177,8 @@ class Doubler(torch.nn.Module):
     name = "doubler"
     modalities = ("image", "audio")
     hidden_size = 4
+    precomputed_fields: ClassVar[frozenset[str]] = frozenset()
+    checkpoint_prefixes: ClassVar[dict[str, str]] = {}
 
     def __init__(self) -> None:
         super().__init__()

@@ -25,7 +25,7 @@ TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_lay
 
 
 def test_names_and_unknown_name() -> None:
-    assert models.names() == ["qwen2-vl"]
+    assert "qwen2-vl" in models.names()
     with pytest.raises(ArgumentError, match="available: qwen2-vl") as e:
         models.load("qwen3-omni")
     assert e.value.argument == "model"
@@ -39,7 +39,7 @@ def test_tiny_is_deterministic_and_an_encoder_model() -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert sa["visual.blocks.0.attn.qkv.weight"].std() > 0.01  # really random, not zeros
-    d = a.dummy_inputs()
+    d = {k: v for k, v in a.dummy_inputs().items() if k in ("pixel_values", "image_grid_thw")}
     assert torch.equal(a.encode(**d), b.encode(**d))
 
 

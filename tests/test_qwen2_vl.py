@@ -235,7 +235,7 @@ def test_precomputed_embeddings_pass_through() -> None:
 
 def test_encode_rejects_malformed_batches() -> None:
     model = models.load("qwen2-vl")
-    d = model.dummy_inputs()
+    d = {k: v for k, v in model.dummy_inputs().items() if k in ("pixel_values", "image_grid_thw")}
     with pytest.raises(ContractError, match="pixel_values"):
         model.encode(pixel_values=d["pixel_values"][:-1], image_grid_thw=d["image_grid_thw"])
     with pytest.raises(ContractError, match="one of image or video"):
@@ -247,12 +247,16 @@ def test_encode_rejects_malformed_batches() -> None:
     assert empty.shape == (0, model.hidden_size)
 
 
-def test_dummy_inputs_are_two_images_of_different_sizes() -> None:
+def test_dummy_inputs_are_images_and_videos_of_different_sizes() -> None:
     model = models.load("qwen2-vl")
     d = model.dummy_inputs()
-    grid = d["image_grid_thw"].tolist()
-    assert len(grid) == 2 and grid[0] != grid[1]
-    assert model.encode(**d).shape == (sum(t * h * w // 4 for t, h, w in grid), 64)
+    for pixels, grid_name in (("pixel_values", "image_grid_thw"),
+                              ("pixel_values_videos", "video_grid_thw")):
+        grid = d[grid_name].tolist()
+        assert len(grid) == 2 and grid[0] != grid[1]
+        out = model.encode(**{pixels: d[pixels], grid_name: d[grid_name]})
+        assert out.shape == (sum(t * h * w // 4 for t, h, w in grid), 64)
+    assert [t for t, _, _ in d["video_grid_thw"].tolist()] == [2, 2]
 
 
 def test_grid_stays_on_the_host_and_pixels_on_the_device() -> None:

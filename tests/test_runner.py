@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ class PatchEncoder(torch.nn.Module):
     name = "patch-encoder"
     modalities = ("image",)
     hidden_size = 8
+    precomputed_fields: ClassVar[frozenset[str]] = frozenset()
+    checkpoint_prefixes: ClassVar[dict[str, str]] = {}
 
     def __init__(self, merge: int = 2) -> None:
         super().__init__()

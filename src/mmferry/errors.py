@@ -51,3 +51,22 @@ class ArgumentError(MmferryError):
     def __init__(self, message: str, *, argument: str | None = None) -> None:
         self.argument = argument
         super().__init__(f"{argument}: {message}" if argument is not None else message)
+
+
+class CheckpointError(MmferryError):
+    """A checkpoint folder that cannot load into a model; ``parameter`` names the (first)
+    offending parameter when there is one."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        self.parameter = parameter
+        super().__init__(message)
+
+
+class EncoderCacheError(MmferryError):
+    """An item that can never fit, or a cache whose referenced entries leave no room."""
+
+
+class UnauditableOpError(RuntimeError):
+    """An op the placement audit cannot run on the CPU (a custom op without a CPU kernel).
+
+    Not a :class:`MmferryError`: the input is fine, the audit's reach is what ends."""

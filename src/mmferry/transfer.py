@@ -26,7 +26,15 @@ from mmferry.batching import Batch
 from mmferry.errors import ArgumentError
 from mmferry.fields import Placement, Reduction, plan_copy, plan_reduction
 
-__all__ = ["DeviceBatch", "Mirrored", "StagingPool", "Transfer", "TransferStats", "upload"]
+__all__ = [
+    "DeviceBatch",
+    "Mirrored",
+    "StagingPool",
+    "Transfer",
+    "TransferStats",
+    "host_and_device",
+    "upload",
+]
 
 # Offsets of packed tensors are multiples of this: enough for any dtype's alignment and for
 # vectorised device loads, and what the CUDA caching allocator itself guarantees.
@@ -40,6 +48,19 @@ class Mirrored:
 
     host: Any
     device: Any
+
+
+def host_and_device(value: Any) -> tuple[Any, Any]:
+    """``(host, device)`` sides of a field a model needs in both places.
+
+    A :class:`Mirrored` gives its two sides; any other value is given twice, so model code
+    that does its host math on the first and its kernels on the second runs unchanged when
+    the field is placed ``both`` (the right placement), ``host`` or ``device`` (which the
+    placement audit then reports at the line that reads the wrong side).
+    """
+    if isinstance(value, Mirrored):
+        return value.host, value.device
+    return value, value
 
 
 class Event(Protocol):

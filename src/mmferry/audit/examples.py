@@ -22,24 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmferry.fields import FieldSpec, Placement
-from mmferry.transfer import Mirrored
+from mmferry.transfer import Mirrored, host_and_device, upload
 
-__all__ = ["EXAMPLES", "Case", "Example", "host_and_device", "line_of", "names", "upload"]
-
-
-def host_and_device(value: Any) -> tuple[Any, Any]:
-    """``(host, device)`` sides of a field: both sides of a Mirrored, else the value twice."""
-    if isinstance(value, Mirrored):
-        return value.host, value.device
-    return value, value
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` the safe way: pinned, asynchronous (as vLLM's
-    ``async_tensor_h2d``); on a CPU-only run there is nothing to copy."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+__all__ = ["EXAMPLES", "Case", "Example", "line_of", "names"]
 
 
 @functools.cache

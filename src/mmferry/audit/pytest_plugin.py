@@ -40,7 +40,7 @@ class PlacementAudit:
 
         reports = audit_model(model, **options)
         for batch, report in reports.items():
-            self._check(report, f"{getattr(model, 'name', type(model).__name__)} ({batch})")
+            self._check(report, f"{model.name} ({batch})")
         return reports
 
     @staticmethod

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmferry.audit.findings import Finding, describe
+from mmferry.errors import UnauditableOpError
 
 __all__ = ["Tag", "Tracer", "UnauditableOpError"]
 
@@ -40,10 +41,6 @@ _ATTR = "_mmferry_audit_tag"
 _EMPTY: frozenset[str] = frozenset()
 _CPU = torch.device("cpu")
 _GETSET = torch._C.TensorBase.__dict__
-
-
-class UnauditableOpError(RuntimeError):
-    """An op the audit cannot run on the CPU (a custom op without a CPU kernel)."""
 
 
 class Tag:

@@ -12,13 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmferry.errors import MmferryError
+from mmferry.errors import EncoderCacheError
 
 __all__ = ["CacheStats", "EncoderCache", "EncoderCacheError"]
-
-
-class EncoderCacheError(MmferryError):
-    """An item that can never fit, or a cache whose referenced entries leave no room."""
 
 
 @dataclass(slots=True)

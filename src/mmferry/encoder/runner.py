@@ -59,7 +59,7 @@ class EncoderRunner:
             raise ValueError(f"max_tokens_per_step must be positive, got {max_tokens_per_step}")
         self.max_tokens_per_step = max_tokens_per_step or self.cache.max_tokens
         self.transfer = transfer if transfer is not None else Transfer(self.device)
-        self._precomputed = frozenset(getattr(model, "precomputed_fields", ()))
+        self._precomputed = frozenset(model.precomputed_fields)
         self.last = RunStats()
 
     def release(self, request: Hashable) -> None:
@@ -154,7 +154,7 @@ class EncoderRunner:
         return steps
 
     def _check(self, output: Any, counts: list[int], items: Sequence[Item]) -> None:
-        name = getattr(self.model, "name", type(self.model).__name__)
+        name = self.model.name
         if not isinstance(output, torch.Tensor) or output.ndim != 2:
             raise ContractError(
                 f"model {name} returned {type(output).__name__}"
@@ -162,7 +162,7 @@ class EncoderRunner:
                 "expected one [tokens, hidden] tensor"
             )
         # Shapes are host metadata: these checks cost no sync.
-        hidden = getattr(self.model, "hidden_size", output.shape[1])
+        hidden = self.model.hidden_size
         if output.shape[1] != hidden:
             raise ContractError(
                 f"model {name} returned rows of width {output.shape[1]}, expected its hidden size "

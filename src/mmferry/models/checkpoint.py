@@ -18,20 +18,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mmferry.errors import MmferryError
+from mmferry.errors import CheckpointError
 
 __all__ = ["CheckpointError", "load_safetensors", "read_json"]
 
 INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(MmferryError):
-    """A checkpoint folder that cannot load into a model; ``parameter`` names the (first)
-    offending parameter when there is one."""
-
-    def __init__(self, message: str, *, parameter: str | None = None) -> None:
-        self.parameter = parameter
-        super().__init__(message)
 
 
 def read_json(folder: str | Path, name: str) -> dict[str, Any]:

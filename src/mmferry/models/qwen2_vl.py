@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, load_video
+from mmferry.models.checkpoint import read_json
 from mmferry.transfer import upload
 
 __all__ = ["TINY", "ProcessorConfig", "Qwen2VL", "VisionConfig", "smart_resize"]
@@ -414,6 +416,16 @@ class Qwen2VL(nn.Module):
         self.hidden_size = config.hidden_size
         self.visual = VisionTower(config)
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None, folder: Path | None = None) -> Qwen2VL:
+        """The tiny tower (``config=None``) or the one a ``config.json`` describes; a
+        checkpoint folder's ``preprocessor_config.json`` sets the processor."""
+        vision = TINY if config is None else VisionConfig.from_dict(config)
+        processor = ProcessorConfig()
+        if folder is not None and (folder / "preprocessor_config.json").is_file():
+            processor = ProcessorConfig.from_dict(read_json(folder, "preprocessor_config.json"))
+        return cls(vision, processor)
+
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   min_pixels: int | None = None, max_pixels: int | None = None,
                   **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -555,7 +567,11 @@ class Qwen2VL(nn.Module):
         return self.visual(pixels, grid)
 
     def dummy_inputs(self) -> dict[str, torch.Tensor]:
-        """Processor output for two small seeded images of different sizes."""
+        """Processor output for two small seeded images of different sizes and two videos
+        (4 frames, and 3 frames padded to 4), at small resize bounds."""
         rng = np.random.default_rng(0)
         images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((56, 84), (84, 112))]
-        return self.processor(images=images)
+        videos = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
+                  for t, h, w in ((4, 56, 56), (3, 56, 84))]
+        return self.processor(images=images, videos=videos, min_pixels=56 * 56,
+                              max_pixels=28 * 28 * 16)

@@ -1,0 +1,5 @@
+"""``python -m mmferry``: the ``mmferry`` command."""
+
+from mmferry.cli import main
+
+main()
