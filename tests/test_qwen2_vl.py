@@ -14,6 +14,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import (
     Qwen2VisionTransformerPretrainedModel,
 )
 
+import mmferry as mf
 import mmferry.models as models
 from mmferry.errors import ContractError, MediaError
 from mmferry.items import split_items
@@ -273,3 +274,22 @@ def test_grid_stays_on_the_host_and_pixels_on_the_device() -> None:
         assert out.device.type == "meta"
         with pytest.raises(NotImplementedError):
             model.encode(**{pixels: batch[pixels].to("meta"), grid: batch[grid].to("meta")})
+
+
+def test_check_item_refuses_rows_that_disagree_with_the_grid() -> None:
+    model = models.load("qwen2-vl")
+    d = model.dummy_inputs()
+    items = mf.split_items(d, model.field_specs(d))
+    good = items["image"][0]
+    model.check_item(good)
+    model.check_item(items["video"][1])
+    grid = good["image_grid_thw"]
+    for field, data in (
+        ("pixel_values", {**good, "pixel_values": good["pixel_values"][:-4]}),
+        ("pixel_values", {**good, "pixel_values": good["pixel_values"].to(torch.int64)}),
+        ("image_grid_thw", {**good, "image_grid_thw": grid * torch.tensor([1, 1, 3])}),
+        ("image_grid_thw", {**good, "image_grid_thw": grid.float()}),
+    ):
+        with pytest.raises(ContractError) as e:
+            model.check_item(data)
+        assert e.value.field == field

@@ -32,6 +32,9 @@ class PatchEncoder(torch.nn.Module):
         self.merge = merge
         self.calls: list[int] = []
 
+    def check_item(self, item) -> None:
+        pass
+
     def tokens_per_item(self, item) -> int:
         return int(item["sizes"]) // self.merge
 

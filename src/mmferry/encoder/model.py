@@ -18,7 +18,8 @@ class EncoderModel(Protocol):
     """A multimodal encoder as the runtime, the CLI, the audit and the servers drive it.
 
     ``processor`` turns media into processor output on the host; ``field_specs`` gives the
-    contract for exactly the fields that output holds; ``tokens_per_item`` counts an item's
+    contract for exactly the fields that output holds; ``check_item`` vets one item against
+    its own metadata; ``tokens_per_item`` counts an item's
     output rows from host fields alone, before the encoder runs; ``encode`` takes one batch
     (each field where its placement says) and returns ``[sum of the batch's tokens, hidden]``;
     ``dummy_inputs`` is processor output that exercises every branch of ``encode`` (several
@@ -40,6 +41,14 @@ class EncoderModel(Protocol):
                   **kwargs: Any) -> Mapping[str, Any]: ...
 
     def field_specs(self, outputs: Mapping[str, Any]) -> Mapping[str, FieldSpec]: ...
+
+    def check_item(self, item: Mapping[str, Any]) -> None:
+        """Raise :class:`~mmferry.errors.ContractError` naming the field when one item does not
+        hold what the encoder would compute from it: tensors whose rows disagree with the
+        item's own metadata (grid, sizes, lengths), or dims / dtypes the encoder does not take.
+        Host work only. The runner calls it on every item before batching it with others, so a
+        malformed item fails alone and never shifts a neighbour's rows."""
+        ...
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int: ...
 

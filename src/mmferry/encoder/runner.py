@@ -98,6 +98,7 @@ class EncoderRunner:
                 stats.hits += 1
                 stats.status[i] = "hit"
                 continue
+            self.model.check_item(item)
             n = self.model.tokens_per_item(item)
             self.cache.check_fits(key, n)
             if n > self.max_tokens_per_step:

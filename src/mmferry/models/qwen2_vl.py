@@ -380,6 +380,12 @@ _FIELDS = {
 }
 
 
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    return type(value).__name__
+
+
 def _grid_rows(name: str, grid: Any) -> list[tuple[int, int, int]]:
     if isinstance(grid, torch.Tensor | np.ndarray):
         if grid.ndim != 2:
@@ -512,6 +518,39 @@ class Qwen2VL(nn.Module):
             if embeds in present:
                 specs[embeds] = FieldSpec.flat_from_sizes(modality, patches // merge2)
         return specs
+
+    def check_item(self, item: Mapping[str, Any]) -> None:
+        """One grid row of positive multiples of the merge size; pixels ``[t·h·w, C·Tp·P·P]``
+        floating point, or embeddings ``[t·h·w / merge², hidden]``."""
+        modality = next((m for m, names in _FIELDS.items() if names[1] in item), None)
+        if modality is None:
+            raise ContractError("an item needs image_grid_thw or video_grid_thw",
+                                field="image_grid_thw")
+        values, grid_name, embeds = _FIELDS[modality]
+        unknown = set(item) - set(_FIELDS[modality])
+        if unknown:
+            raise ContractError(f"not a qwen2-vl {modality} field", field=sorted(unknown)[0])
+        grid = item[grid_name]
+        if not isinstance(grid, torch.Tensor) or grid.shape != (3,) or grid.is_floating_point():
+            raise ContractError(f"expected one integer (t, h, w) row, got {_describe(grid)}",
+                                field=grid_name)
+        (t, h, w), merge = _grid_rows(grid_name, [grid])[0], self.config.spatial_merge_size
+        if min(t, h, w) < 1 or h % merge or w % merge:
+            raise ContractError(f"grid (t, h, w) = {(t, h, w)} must be positive with h and w "
+                                f"multiples of the merge size {merge}", field=grid_name)
+        cfg = self.config
+        width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        for name, rows, cols in ((values, t * h * w, width),
+                                 (embeds, t * h * w // merge ** 2, self.hidden_size)):
+            if name not in item:
+                continue
+            value = item[name]
+            if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+                    or tuple(value.shape) != (rows, cols)):
+                raise ContractError(f"expected floating point [{rows}, {cols}] from {grid_name} "
+                                    f"{(t, h, w)}, got {_describe(value)}", field=name)
+        if (values in item) == (embeds in item):
+            raise ContractError(f"an item holds {values} or {embeds}", field=values)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """``t·h·w / merge²`` from the item's host grid."""
