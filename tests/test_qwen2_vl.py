@@ -287,7 +287,8 @@ def test_check_item_refuses_rows_that_disagree_with_the_grid() -> None:
     for field, data in (
         ("pixel_values", {**good, "pixel_values": good["pixel_values"][:-4]}),
         ("pixel_values", {**good, "pixel_values": good["pixel_values"].to(torch.int64)}),
-        ("image_grid_thw", {**good, "image_grid_thw": grid * torch.tensor([1, 1, 3])}),
+        ("pixel_values", {**good, "image_grid_thw": grid * torch.tensor([1, 1, 3])}),
+        ("image_grid_thw", {**good, "image_grid_thw": grid + torch.tensor([0, 0, 1])}),
         ("image_grid_thw", {**good, "image_grid_thw": grid.float()}),
     ):
         with pytest.raises(ContractError) as e:
