@@ -564,9 +564,10 @@ class Qwen2VL(nn.Module):
     def encode(self, **batch: Any) -> torch.Tensor:
         """One modality's batch to ``[Σ tokens, hidden_size]``.
 
-        ``pixel_values`` + ``image_grid_thw`` (or the video pair) run the vision tower;
-        ``image_embeds`` / ``video_embeds`` pass through unchanged. The grid is read on the
-        host; only the pixels need to be on the model's device.
+        ``pixel_values`` + ``image_grid_thw`` (or the video pair) run the vision tower. The
+        grid is read on the host; only the pixels need to be on the model's device.
+        Precomputed ``image_embeds`` / ``video_embeds`` never reach here: the runner passes
+        them through (the one place that policy lives) after ``check_item`` has checked them.
         """
         modalities = [m for m, names in _FIELDS.items() if any(k in batch for k in names)]
         if len(modalities) != 1:
@@ -576,19 +577,12 @@ class Qwen2VL(nn.Module):
         unknown = set(batch) - set(_FIELDS[modalities[0]])
         if unknown:
             raise ContractError("not a qwen2-vl field", field=sorted(unknown)[0])
-        if values in batch and embeds in batch:
-            raise ContractError(f"give {values} or {embeds}, not both", field=embeds)
+        if embeds in batch:
+            raise ContractError("precomputed embeddings are passed through by EncoderRunner, "
+                                "not encoded", field=embeds)
         if grid_name not in batch:
             raise ContractError("missing from the batch", field=grid_name)
         grid = _grid_rows(grid_name, batch[grid_name])
-        merge2 = self.config.spatial_merge_size ** 2
-        if embeds in batch:
-            out = batch[embeds]
-            tokens = sum(t * h * w // merge2 for t, h, w in grid)
-            if out.ndim != 2 or out.shape[0] != tokens or out.shape[1] != self.hidden_size:
-                raise ContractError(f"expected [{tokens}, {self.hidden_size}] from the grid, got "
-                                    f"{list(out.shape)}", field=embeds)
-            return out
         pixels = batch.get(values)
         if pixels is None:
             raise ContractError("missing from the batch", field=values)
