@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from blake3 import blake3
 from PIL import Image
 
 from mmferry.errors import ContractError, MediaError
+from mmferry.files import FileRefused, read_regular
 
 if TYPE_CHECKING:
     from mmferry.fields import FieldSpec
@@ -161,22 +161,25 @@ def hash_media(
     model_id: str,
     modality: str,
     processor_kwargs: Mapping[str, Any] | None = None,
+    max_bytes: int = 1 << 30,
 ) -> str:
     """Hex digest of raw media (file bytes, a PIL image, an array or tensor) together with
     the model id and the processor kwargs: the key for caching before processing.
 
     Encoded file bytes are hashed as they are (no decoding); a path (``str`` or
     ``os.PathLike``) is hashed by its file's bytes, so the key follows the content, not the
-    name. kwargs are hashed by sorted key, so their order does not matter.
+    name; only a regular file of at most ``max_bytes`` is read. kwargs are hashed by sorted
+    key, so their order does not matter.
 
     Raises:
-        MediaError: a path that cannot be read.
+        MediaError: a path that is not a readable regular file within ``max_bytes``.
+        ContractError: a value of a type that cannot be hashed.
     """
     if isinstance(media, str | os.PathLike):
         try:
-            media = Path(media).read_bytes()
-        except OSError as e:
-            raise MediaError(f"cannot read the file ({e.strerror})", source=os.fspath(media)) from None
+            media = read_regular(media, max_bytes)
+        except FileRefused as e:
+            raise MediaError(e.reason, source=os.fspath(media)) from None
     h = _hasher(payload_nbytes(media))
     _frame(h, b"id", model_id.encode())
     _frame(h, b"m", modality.encode())

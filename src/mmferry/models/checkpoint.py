@@ -8,7 +8,9 @@ weights), lazily, one file at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,11 +20,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mmferry.errors import CheckpointError
+from mmferry.errors import ArgumentError, CheckpointError
+from mmferry.files import FileRefused, read_regular
 
-__all__ = ["CheckpointError", "load_safetensors", "read_json"]
+__all__ = ["CheckpointError", "config_values", "load_safetensors", "read_json"]
 
 INDEX = "model.safetensors.index.json"
+# config.json, preprocessor_config.json and shard indexes are kilobytes to a few megabytes.
+MAX_JSON_BYTES = 64 << 20
 # safetensors dtype names of floating-point tensors (cast to the parameter's dtype on load).
 _FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ",
                        "F8_E5M2FNUZ", "F8_E8M0"})
@@ -32,11 +37,56 @@ def read_json(folder: str | Path, name: str) -> dict[str, Any]:
     """``folder/name`` parsed; a missing or malformed file is a :class:`CheckpointError`."""
     path = Path(folder) / name
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
+        data = json.loads(read_regular(path, MAX_JSON_BYTES))
+    except FileRefused as e:
+        raise CheckpointError(f"{path}: {e.reason}") from None
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def config_values(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The entries of ``values`` that name fields of the dataclass ``cls``, each checked
+    against the type of the field's default: ints are ints (not bools) and positive, floats
+    are finite positive numbers, strings are strings, tuples of floats are lists of finite
+    numbers. ``where`` prefixes the key in errors (``vision_config``).
+
+    Raises:
+        ArgumentError: naming ``where.key`` and the bad value (``argument="config"``).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value, default, key = values[f.name], f.default, f"{where}.{f.name}" if where else f.name
+
+        def bad(expected: str, value: Any = value, key: str = key) -> ArgumentError:
+            return ArgumentError(f"{key} must be {expected}, got {value!r}", argument="config")
+
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise bad("true or false")
+        elif isinstance(default, int):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad("a positive integer")
+        elif isinstance(default, float):
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):
+                raise bad("a positive number")
+            value = float(value)
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                raise bad("a string")
+        elif isinstance(default, tuple):
+            if not isinstance(value, list | tuple) or len(value) != len(default) or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in value):
+                raise bad(f"a list of {len(default)} numbers")
+            value = tuple(float(v) for v in value)
+        out[f.name] = value
+    return out
 
 
 def _key_files(folder: Path) -> dict[str, Path]:
