@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -21,7 +22,7 @@ from mmferry.cli.args import (
 )
 from mmferry.cli.table import print_table
 from mmferry.encoder import EncoderCache, EncoderModel, EncoderRunner
-from mmferry.errors import MediaError, MmferryError
+from mmferry.errors import ArgumentError, MediaError, MmferryError
 from mmferry.items import Item, split_items
 from mmferry.media import samples
 
@@ -116,7 +117,7 @@ def _prepare(model: EncoderModel, path: Path) -> _FileResult:
         t3 = time.perf_counter()
         result.seconds = {"decode": t1 - t0, "process": t2 - t1, "split": t3 - t2}
     except (MmferryError, OSError) as e:
-        result.error = str(e)
+        result.error = str(e) if str(path) in str(e) else f"{path}: {e}"
     return result
 
 
@@ -124,8 +125,41 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+def _check_writable(out: Path) -> None:
+    """Fail before any encoding if ``--out`` cannot be written (a directory, a read-only
+    file or folder): a run must not end by losing its results."""
+    if out.is_dir():
+        raise ArgumentError(f"{out} is a directory", argument="--out")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ArgumentError(f"{out} is not writable", argument="--out")
+    try:
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".mmferry-"):
+            pass
+    except OSError as e:
+        raise ArgumentError(f"cannot write in {out.parent} ({e.strerror or e})",
+                            argument="--out") from None
+
+
+def _load_model(name: str, weights: Path | None, device):
+    """The model, or a one-line usage error naming the bad key or file: a checkpoint folder
+    or config.json is user input, so nothing it holds may end in a traceback."""
+    from mmferry import models
+
+    try:
+        return models.load(name, weights=weights).to(device).eval()
+    except ArgumentError as e:
+        raise ArgumentError(str(e), argument="--weights") from None
+    except MmferryError as e:  # CheckpointError: missing, ambiguous or mistyped tensors
+        raise ArgumentError(str(e), argument="--weights") from None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError,
+            ZeroDivisionError, RuntimeError) as e:
+        # A config value the model's own validation missed; still the folder's fault.
+        raise ArgumentError(f"{weights}: cannot build {name} from this checkpoint "
+                            f"({type(e).__name__}: {e})", argument="--weights") from None
+
+
 @click.command()
-@click.argument("files", nargs=-1, type=click.Path())
+@click.argument("files", nargs=-1)
 @click.option("--model", "model_name", default="qwen2-vl", show_default=True,
               help="Built-in model (see `mmferry models`).")
 @click.option("--weights", type=click.Path(file_okay=False),
@@ -145,12 +179,12 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
     embedding shape, cache hit or miss and stage times. The modality comes from the file:
     images, videos (a file PyAV decodes, or a folder of frames) and audio, as the model
     takes them. Exit code 1 when any file failed (the others are still encoded)."""
-    from mmferry import models
-
     check_model(model_name)
     weights_dir = check_weights(weights)
     dev = check_device(device)
     out_path = check_out(out)
+    if out_path is not None:
+        _check_writable(out_path)
     check_positive(sample_count, "--samples")
     check_positive(max_tokens_per_step, "--max-tokens-per-step")
     if sample_count is None and not files:
@@ -159,7 +193,7 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
         raise click.UsageError("give FILES or --samples, not both")
 
     with tempfile.TemporaryDirectory(prefix="mmferry-samples-") as tmp:
-        model = models.load(model_name, weights=weights_dir).to(dev).eval()
+        model = _load_model(model_name, weights_dir, dev)
         paths = (write_samples(sample_count, Path(tmp), model.modalities) if sample_count
                  else [Path(f) for f in files])
         runner = EncoderRunner(model, EncoderCache(max_tokens=1 << 20), device=dev,
@@ -170,15 +204,14 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
 
         for path in tqdm(paths, desc="preprocess", disable=not show_progress, unit="file"):
             results.append(_prepare(model, path))
-        budget = min(runner.max_tokens_per_step, runner.cache.max_tokens)
-        for r in results:
-            # An item no step can hold fails alone, before it can fail the whole run.
-            if r.item is not None and (n := model.tokens_per_item(r.item)) > budget:
-                r.item, r.error = None, (f"{r.path}: {n} tokens, more than the step budget of "
-                                         f"{budget} (--max-tokens-per-step)")
-        good = [r for r in results if r.item is not None]
-        embeddings = runner.encode([r.item for r in good], request="cli") if good else []
-        status = dict(zip(map(id, good), runner.last.status, strict=True))
+        prepared = [r for r in results if r.item is not None]
+        embeddings = runner.encode([r.item for r in prepared], request="cli") if prepared else []
+        # Items the runner refused (its checks, the step budget, the cache) fail alone.
+        for i, error in runner.last.errors.items():
+            prepared[i].item, prepared[i].error = None, f"{prepared[i].path}: {error}"
+        good = [r for r in prepared if r.item is not None]
+        embeddings = [e for r, e in zip(prepared, embeddings, strict=True) if r.item is not None]
+        status = dict(zip(map(id, prepared), runner.last.status, strict=True))
 
     rows = [("file", "tokens", "embedding", "cache", "modality", "media", "decode ms",
              "process ms", "split ms")]
