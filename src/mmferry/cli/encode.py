@@ -10,16 +10,10 @@ from pathlib import Path
 
 import click
 import numpy as np
+import torch
 from PIL import Image
 
-from mmferry.cli.args import (
-    check_device,
-    check_model,
-    check_out,
-    check_positive,
-    check_weights,
-    validated,
-)
+from mmferry.cli.args import DEVICE, MODEL, options, validated
 from mmferry.cli.table import print_table
 from mmferry.encoder import EncoderCache, EncoderRunner
 from mmferry.errors import MmferryError
@@ -79,37 +73,30 @@ def _ms(seconds: float) -> str:
 
 @click.command()
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
-@click.option("--model", "model_name", default="qwen2-vl", show_default=True,
-              help="Built-in model (see `mmferry models`).")
-@click.option("--weights", type=click.Path(file_okay=False),
-              help="Local checkpoint folder (config.json + safetensors); default: tiny random weights.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@options(MODEL, DEVICE)
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Save embeddings to this .safetensors file, keyed by item hash.")
 @click.option("--samples", type=int, default=None,
               help="Encode N generated sample images instead of FILES (the last repeats the first).")
 @click.option("--max-tokens-per-step", type=int, default=None,
               help="Bound the output tokens of one encoder call.")
+@click.option("--server", default=None, metavar="URL",
+              help="Encode on a running `mmferry serve` at URL (render here, encode there).")
 @validated
-def encode(files: tuple[str, ...], model_name: str, weights: str | None, device: str,
-           out: str | None, samples: int | None, max_tokens_per_step: int | None) -> None:
+def encode(files: tuple[str, ...], model_name: str, weights: Path | None, device: torch.device,
+           out: Path | None, samples: int | None, max_tokens_per_step: int | None,
+           server: str | None) -> None:
     """Encode image FILES into embeddings and print, per item, its tokens, embedding shape,
     cache hit or miss and stage times. Exit code 1 when any file failed."""
     from mmferry import models
 
-    check_model(model_name)
-    weights_dir = check_weights(weights)
-    dev = check_device(device)
-    out_path = check_out(out)
-    check_positive(samples, "--samples")
-    check_positive(max_tokens_per_step, "--max-tokens-per-step")
-    if samples is None and not files:
-        raise click.UsageError("give FILES to encode, or --samples N")
-    if samples is not None and files:
-        raise click.UsageError("give FILES or --samples, not both")
+    weights_dir, dev, out_path = weights, device, out
 
     with tempfile.TemporaryDirectory(prefix="mmferry-samples-") as tmp:
         paths = write_samples(samples, Path(tmp)) if samples else [Path(f) for f in files]
+        if server is not None:
+            _encode_remote(server, model_name, paths, out_path)
+            return
         model = models.load(model_name, weights=weights_dir).to(dev).eval()
         runner = EncoderRunner(model, EncoderCache(max_tokens=1 << 20), device=dev,
                                max_tokens_per_step=max_tokens_per_step)
@@ -158,4 +145,46 @@ def encode(files: tuple[str, ...], model_name: str, weights: str | None, device:
         save_file(tensors, str(out_path))
         click.echo(f"saved {len(tensors)} embedding(s) to {out_path}")
     if len(good) != len(results):
+        sys.exit(1)
+
+
+def _encode_remote(server: str, model_name: str, paths: list[Path], out_path: Path | None) -> None:
+    """Render here (the processor only), encode on the server through :mod:`mmferry.client`."""
+    from mmferry import models
+    from mmferry.client import Client, ClientError
+
+    model = models.load(model_name, materialize=False)
+    results = [_prepare(model, path) for path in paths]
+    good = [r for r in results if r.item is not None]
+    try:
+        with Client(server) as client:
+            answers = client.encode([r.item for r in good]) if good else []
+    except ClientError as e:
+        raise click.ClickException(f"{server}: {e}") from None
+    rows = [("file", "tokens", "embedding", "cache", "decode ms", "process ms", "split ms")]
+    by_id = dict(zip(map(id, good), answers, strict=True))
+    for r in results:
+        a = by_id.get(id(r))
+        if a is None or a.error is not None:
+            if a is not None:
+                r.error = f"{r.path}: {a.error}"
+            rows.append((r.path.name, "-", "-", "error", "-", "-", "-"))
+            continue
+        emb = a.rows
+        rows.append((r.path.name, str(emb.shape[0]), "x".join(map(str, emb.shape)), a.status,
+                     _ms(r.seconds["decode"]), _ms(r.seconds["process"]), _ms(r.seconds["split"])))
+    print_table(rows)
+    ok = [a for a in answers if a.error is None]
+    click.echo(f"model {model_name} on {server}: {len(ok)} item(s) answered, "
+               f"{sum(a.status == 'hit' for a in ok)} cache hit(s)")
+    for r in results:
+        if r.error is not None:
+            click.echo(f"error: {r.error}", err=True)
+    if out_path is not None and ok:
+        from safetensors.torch import save_file
+
+        tensors = {a.hash: a.rows.contiguous() for a in ok}
+        save_file(tensors, str(out_path))
+        click.echo(f"saved {len(tensors)} embedding(s) to {out_path}")
+    if len(ok) != len(results):
         sys.exit(1)

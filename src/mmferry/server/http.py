@@ -1,0 +1,126 @@
+"""What both servers share: bounded body reading, the error answers, the API key, and
+starting uvicorn on a socket bound here (so ``--port 0`` works and the bound address is
+printed)."""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmferry.server.errors import ServerError
+
+__all__ = ["error_response", "install", "read_body", "replay", "serve"]
+
+
+def error_response(err: ServerError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers={**dict(err.headers),
+                                                                     **(headers or {})})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length")
+    too_large = ServerError(413, "payload_too_large", f"request body is more than "
+                            f"--max-request-bytes {limit}")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def replay(request: Request, body: bytes) -> Request:
+    """A request whose body is ``body`` (already read within the cap), for form parsing."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(request.scope, receive)
+
+
+def install(app: FastAPI, *, api_keys: tuple[str, ...], headers: Callable[[], dict[str, str]],
+            on_status: Callable[[Request, int], None] | None = None) -> None:
+    """Error handlers in the ``{"error": ...}`` shape, the API key on ``/v1/`` routes, and
+    ``headers()`` on every response."""
+
+    @app.exception_handler(ServerError)
+    async def _server_error(request: Request, exc: ServerError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+        return error_response(ServerError(exc.status_code, code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(ServerError(400, "bad_request", str(exc.errors())[:500]))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        return error_response(ServerError(500, "internal", f"{type(exc).__name__}: {exc}"))
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]
+                     ) -> Response:
+        if api_keys and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not any(hmac.compare_digest(token.encode(), k.encode()) for k in api_keys):
+                response: Response = error_response(ServerError(
+                    401, "unauthorized", "missing or wrong API key (Authorization: Bearer KEY)"))
+            else:
+                response = await call_next(request)
+        else:
+            response = await call_next(request)
+        for k, v in headers().items():
+            response.headers[k] = v
+        if on_status is not None:
+            on_status(request, response.status_code)
+        return response
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app: FastAPI, host: str, port: int, *, name: str) -> None:
+    """Bind ``host:port``, print ``<name>: listening on http://HOST:PORT`` (the real port
+    when ``port`` is 0) and run until interrupted."""
+    import uvicorn
+
+    sock = bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"{name}: listening on http://{shown}:{bound_port}", flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                            h11_max_incomplete_event_size=64 << 10)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        sys.stdout.flush()
