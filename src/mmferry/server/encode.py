@@ -262,8 +262,8 @@ def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> 
     app = FastAPI(title="mmferry serve", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
 
-    def count(request: Request, status: int) -> None:
-        if request.url.path == "/v1/encode":
+    def count(path: str, status: int) -> None:
+        if path == "/v1/encode":
             metrics.requests.labels(cfg.model, str(status)).inc()
 
     install(app, api_keys=cfg.api_keys, headers=lambda: {"X-Mmferry-Compat": compat["id"]},

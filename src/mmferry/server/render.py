@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mmferry import __version__
 from mmferry.server.errors import ServerError
-from mmferry.server.frames import MEDIA_TYPE, encode_body, pack_meta
+from mmferry.server.frames import MEDIA_TYPE
 from mmferry.server.http import error_response, install, read_body, replay
 from mmferry.server.media import MediaLimits, parse_json, parse_multipart, resolve
 from mmferry.server.metrics import RenderMetrics, exposition
@@ -93,8 +93,8 @@ def create_app(cfg: RenderConfig) -> FastAPI:
     app = FastAPI(title="mmferry render", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
 
-    def count(request: Request, status: int) -> None:
-        if request.url.path == "/v1/render":
+    def count(path: str, status: int) -> None:
+        if path == "/v1/render":
             metrics.requests.labels(cfg.model, str(status)).inc()
 
     install(app, api_keys=cfg.api_keys, headers=dict, on_status=count)
@@ -120,7 +120,7 @@ def create_app(cfg: RenderConfig) -> FastAPI:
             for modality, data in media:
                 metrics.fetch_bytes.labels(cfg.model, modality).inc(len(data))
             t = time.perf_counter()
-            meta, frames = await pool.run(RenderJob(media, kwargs))
+            result, body = await pool.run(RenderJob(media, kwargs, frames=wants_frames(request)))
             metrics.preprocess_latency.labels(cfg.model).observe(time.perf_counter() - t)
         except ServerError as e:
             if e.status < 500:
@@ -129,9 +129,7 @@ def create_app(cfg: RenderConfig) -> FastAPI:
         finally:
             state["inflight"] -= 1
             metrics.inflight.labels(cfg.model).dec()
-        result = {"model": cfg.model, "items": meta["items"]}
-        if wants_frames(request):
-            body = b"".join(encode_body([pack_meta(result), *frames]))
+        if body is not None:
             metrics.wire_bytes.labels(cfg.model, "frames").inc(len(body))
             response: Response = Response(body, media_type=MEDIA_TYPE)
         else:

@@ -25,7 +25,7 @@ from mmferry.encoder.model import EncoderModel
 from mmferry.errors import ArgumentError, MediaError
 from mmferry.items import Item, split_items
 from mmferry.server.errors import ServerError, from_exception, item_of_source
-from mmferry.server.frames import pack_meta, unpack_meta
+from mmferry.server.frames import encode_body, pack_meta, unpack_meta
 
 __all__ = ["RenderJob", "WorkerDied", "WorkerPool", "render_media"]
 
@@ -112,16 +112,17 @@ def _worker_main(conn: Connection, model_name: str, weights: str | None,
             items = render_media(model, [(m, d) for m, d in job["media"]],
                                  job.get("processor_kwargs") or {},
                                  max_image_pixels=max_image_pixels)
-            frames = wire.encode(items)
-            meta = {"ok": True, "items": [item_meta(model, it) for it in items],
-                    "frames": len(frames)}
+            result = {"model": model_name, "items": [item_meta(model, it) for it in items]}
+            # The whole response body is made here, so the server only passes one buffer on.
+            body = (b"".join(encode_body([pack_meta(result), *wire.encode(items)]))
+                    if job.get("frames") else None)
         except Exception as e:  # a job never kills its worker
             err = from_exception(e)
             conn.send_bytes(pack_meta({"ok": False, **err.body()["error"], "status": err.status}))
             continue
-        conn.send_bytes(pack_meta(meta))
-        for frame in frames:
-            conn.send_bytes(frame)
+        conn.send_bytes(pack_meta({"ok": True, "result": result, "body": body is not None}))
+        if body is not None:
+            conn.send_bytes(body)
 
 
 class WorkerDied(RuntimeError):
@@ -130,8 +131,11 @@ class WorkerDied(RuntimeError):
 
 @dataclass
 class RenderJob:
+    """Media to render; ``frames``: also make the frames response body."""
+
     media: list[tuple[str, bytes]]
     processor_kwargs: dict[str, Any]
+    frames: bool = False
 
 
 class _Worker:
@@ -141,15 +145,15 @@ class _Worker:
         self.process.start()
         child.close()
 
-    def run(self, job: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    def run(self, job: bytes) -> tuple[dict[str, Any], bytes | None]:
         """Blocking: send one job, read its answer (called from a thread)."""
         try:
             self.conn.send_bytes(job)
             meta = unpack_meta(self.conn.recv_bytes())
-            frames = [self.conn.recv_bytes() for _ in range(meta.get("frames", 0))]
+            body = self.conn.recv_bytes() if meta.get("body") else None
         except (EOFError, OSError) as e:
             raise WorkerDied(str(e)) from None
-        return meta, frames
+        return meta, body
 
     def dead(self) -> bool:
         """An idle worker never speaks first: anything readable on its pipe is its EOF."""
@@ -217,10 +221,12 @@ class WorkerPool:
         self._all.append(worker)
         self._idle.put_nowait(worker)
 
-    async def run(self, job: RenderJob) -> tuple[dict[str, Any], list[bytes]]:
-        """Render ``job`` on an idle worker: the worker's metadata and the items' wire frames.
-        A worker dying under the job is replaced and the job retried once."""
-        payload = pack_meta({"media": job.media, "processor_kwargs": job.processor_kwargs})
+    async def run(self, job: RenderJob) -> tuple[dict[str, Any], bytes | None]:
+        """Render ``job`` on an idle worker: the result (``model``, per-item ``items``) and,
+        when the job asks for frames, the frames response body. A worker dying under the job
+        is replaced and the job retried once."""
+        payload = pack_meta({"media": job.media, "processor_kwargs": job.processor_kwargs,
+                             "frames": job.frames})
         attempt = 0
         while True:
             worker = await self._idle.get()
@@ -231,7 +237,7 @@ class WorkerPool:
             # finishes and the worker goes back to the idle queue either way.
             task = asyncio.ensure_future(self._on(worker, payload))
             try:
-                meta, frames = await asyncio.shield(task)
+                meta, body = await asyncio.shield(task)
             except WorkerDied:
                 if attempt:
                     raise ServerError(500, "worker_died", "a render worker died twice on this "
@@ -241,9 +247,9 @@ class WorkerPool:
             if not meta.get("ok"):
                 raise ServerError(meta["status"], meta["code"], meta["message"], meta.get("item"),
                                   meta.get("field"))
-            return meta, frames
+            return meta["result"], body
 
-    async def _on(self, worker: _Worker, payload: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    async def _on(self, worker: _Worker, payload: bytes) -> tuple[dict[str, Any], bytes | None]:
         try:
             result = await asyncio.to_thread(worker.run, payload)
         except WorkerDied:
