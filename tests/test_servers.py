@@ -60,6 +60,14 @@ def png_header_only(w: int, h: int) -> bytes:
 IMAGE = png(64, 48, 0)
 
 
+def ramp_png() -> bytes:
+    """Smooth, so it compresses far below the body cap; large, so rendering takes a while."""
+    ramp = np.linspace(0, 255, 1600 * 1200 * 3).astype(np.uint8).reshape(1200, 1600, 3)
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, "PNG")
+    return buf.getvalue()
+
+
 class _Media(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/img.png":
@@ -130,11 +138,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     render = ServerProcess(
         "launch", "render", "--workers", "2", "--max-items", "4", "--max-request-bytes", "2MiB",
         "--max-media-bytes", "1MiB", "--api-key", API_KEY, "--fetch-timeout", "image=1",
+        "--max-inflight", "2",
         "--allowed-media-domains", f"127.0.0.1,{FETCH_HOST},169.254.169.254,localhost",
         "--allow-private-addresses", f"{FETCH_HOST}/32",
         "--allowed-local-media-path", str(tmp / "local"), log=tmp / "render.log")
     encode = ServerProcess("serve", "--batch-wait-ms", "150", "--max-batch-tokens", "4096",
-                           log=tmp / "serve.log")
+                           "--accept-media", log=tmp / "serve.log")
     try:
         yield {"render": render.wait_ready(), "serve": encode.wait_ready(),
                "media": f"http://{FETCH_HOST}:{media.server_address[1]}",
@@ -273,11 +282,7 @@ def test_fetch_local_path_and_upload_give_one_hash(servers: dict[str, str]) -> N
 def test_a_killed_worker_is_replaced(servers: dict[str, str]) -> None:
     url = servers["render"]
     before = httpx.get(f"{url}/health", trust_env=False).json()
-    # Smooth, so it compresses far below the body cap, and large, so processing takes a while.
-    ramp = np.linspace(0, 255, 1600 * 1200 * 3).astype(np.uint8).reshape(1200, 1600, 3)
-    buf = io.BytesIO()
-    Image.fromarray(ramp).save(buf, "PNG")
-    big = buf.getvalue()
+    big = ramp_png()
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_post, url, files=[("image", ("a", big))])
         time.sleep(0.1)
@@ -339,7 +344,9 @@ def test_a_lying_hash_is_refused(servers: dict[str, str], model: mf.EncoderModel
 
 @pytest.mark.parametrize(("content", "ctype", "status", "code"), [
     (b"\x02\x00\x00\x00garbage", MEDIA_TYPE, 400, "bad_frames"),
-    (b"{}", "application/json", 415, "unsupported_media_type"),
+    (b"hello", "text/plain", 415, "unsupported_media_type"),
+    (b'{"media": [{"modality": "image", "data": "abc"}]}', "application/json", 400,
+     "invalid_base64"),
 ])
 def test_bad_encode_requests(servers: dict[str, str], content: bytes, ctype: str, status: int,
                              code: str) -> None:
@@ -366,3 +373,43 @@ def test_client_raises_server_errors(servers: dict[str, str]) -> None:
     with Client(servers["render"]) as render, pytest.raises(ClientError) as e:
         render.render(images=[IMAGE])
     assert (e.value.status, e.value.code) == (401, "unauthorized")
+
+
+def test_past_max_inflight_is_503_with_retry_after(servers: dict[str, str]) -> None:
+    big = ramp_png()
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: _post(servers["render"], files=[("image", ("a", big))]),
+                                range(6)))
+    statuses = sorted(r.status_code for r in answers)
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 2
+    refused = next(r for r in answers if r.status_code == 503)
+    assert refused.json()["error"]["code"] == "overloaded" and refused.headers["retry-after"] == "1"
+    assert _json(servers["render"], {"modality": "image", "data": _b64(IMAGE)}).status_code == 200
+
+
+def test_serve_accepts_media_in_process(servers: dict[str, str], model: mf.EncoderModel) -> None:
+    image = png(112, 84, 21)
+    (item,), (want,) = in_process(model, [image])
+    r = httpx.post(f"{servers['serve']}/v1/encode", trust_env=False, timeout=30,
+                   json={"media": [{"modality": "image", "data": _b64(image)}]},
+                   headers={"Accept": "application/json"})
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()["items"]
+    assert entry["hash"] == item.hash and entry["num_tokens"] == want.shape[0]
+    with Client(servers["serve"]) as enc:
+        torch.testing.assert_close(enc.embedding(item.hash), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_serve_on_cuda_matches_the_cpu(tmp_path: Path, model: mf.EncoderModel) -> None:
+    items, expected = in_process(model, [png(448, 448, 31), png(224, 336, 32)])
+    server = ServerProcess("serve", "--device", "cuda", log=tmp_path / "cuda.log")
+    try:
+        with Client(server.wait_ready()) as enc:
+            answers = enc.encode(items)
+            assert enc.compat is not None
+    finally:
+        server.stop()
+    for a, want in zip(answers, expected, strict=True):
+        assert a.status == "miss"
+        torch.testing.assert_close(a.rows, want, atol=1e-4, rtol=1e-4)

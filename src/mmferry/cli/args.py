@@ -405,7 +405,8 @@ DEVICE: list[Decorator] = [
 ]
 
 
-def NETWORK(port: int) -> list[Decorator]:
+def NETWORK(port: int, max_request_bytes: str = "64MiB") -> list[Decorator]:
+    """The network group, with the server's default port and body cap."""
     return [
         click.option("--host", default="127.0.0.1", show_default=True,
                      help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
@@ -413,7 +414,7 @@ def NETWORK(port: int) -> list[Decorator]:
                      help="Port to bind (0: any free port; the bound one is printed)."),
         click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
                      help="Require 'Authorization: Bearer KEY' on /v1/ routes (repeatable)."),
-        click.option("--max-request-bytes", default="64MiB", show_default=True,
+        click.option("--max-request-bytes", default=max_request_bytes, show_default=True,
                      help="Largest request body; larger ones get 413."),
     ]
 

@@ -36,7 +36,7 @@ def weights_revision(folder: Path | None) -> str:
 
 
 @click.command("serve")
-@options(MODEL, DEVICE, NETWORK(8200), BATCHING, MEDIA)
+@options(MODEL, DEVICE, NETWORK(8200, max_request_bytes="512MiB"), BATCHING, MEDIA)
 @click.option("--dtype", default="float32", show_default=True, help="Encoder weights dtype.")
 @click.option("--accept-media", is_flag=True,
               help="POST /v1/encode also takes the JSON / multipart media of /v1/render, "
