@@ -37,7 +37,7 @@ from mmferry.server.frames import MEDIA_TYPE, decode_body, encode_body, pack_met
 from mmferry.server.http import install, read_body
 from mmferry.server.media import MediaLimits, resolve
 from mmferry.server.metrics import EncodeMetrics, exposition
-from mmferry.server.render import content_type, parse_media_request, wants_frames
+from mmferry.server.render import content_type, parse_media_request
 from mmferry.server.worker import render_media
 
 __all__ = ["EncodeConfig", "EncoderOwner", "compat_of", "create_app"]
@@ -155,7 +155,12 @@ class EncoderOwner:
                     break
                 jobs.append(nxt)
                 tokens += sum(nxt.tokens)
-            self._encode(jobs)
+            try:
+                self._encode(jobs)
+            except BaseException as e:  # never leave a request waiting on a dead thread
+                for job in jobs:
+                    if not job.future.done():
+                        job.future.set_exception(e)
             if stop:
                 return
 
@@ -329,7 +334,10 @@ def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> 
         for o in outcomes:
             assert o is not None
             metrics.items.labels(cfg.model, o.status).inc()
-        response = _answer(outcomes, compat, frames=wants_frames(request))  # type: ignore[arg-type]
+        # Frames unless the client asks for JSON only.
+        accept = request.headers.get("accept", "")
+        frames = MEDIA_TYPE in accept or "application/json" not in accept
+        response = _answer(outcomes, compat, frames=frames)  # type: ignore[arg-type]
         metrics.latency.labels(cfg.model).observe(time.perf_counter() - start)
         return response
 

@@ -124,6 +124,21 @@ class _Guard:
                 self.on_status(path, status)
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _keys(app: FastAPI) -> list[bytes]:
+    return [k for m in app.user_middleware if m.cls is _Guard for k in m.kwargs["api_keys"]]
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are
@@ -144,6 +159,9 @@ def serve(app: FastAPI, host: str, port: int, *, name: str) -> None:
 
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
+    if not _loopback(host) and not any(True for _ in _keys(app)):
+        print(f"{name}: warning: listening on {host} without --api-key; anyone who can reach "
+              "it can use it", file=sys.stderr, flush=True)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"{name}: listening on http://{shown}:{bound_port}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,

@@ -8,6 +8,7 @@ text part ``processor_kwargs`` holds the kwargs as JSON. Items keep the order th
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -181,7 +182,6 @@ def _read_local(ref: MediaRef, limits: MediaLimits) -> bytes:
 async def resolve(refs: list[MediaRef], limits: MediaLimits,
                   client: httpx.AsyncClient | None) -> list[tuple[str, bytes]]:
     """Each item's bytes, in order; URLs are fetched concurrently under the fetch policy."""
-    import asyncio
 
     async def one(ref: MediaRef) -> bytes:
         if ref.data is not None:
