@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import multiprocessing as mp
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from mmferry.encoder.model import EncoderModel
 from mmferry.errors import ArgumentError, MediaError
 from mmferry.items import Item, split_items
 from mmferry.server.errors import ServerError, from_exception, item_of_source
-from mmferry.server.frames import encode_body, pack_meta, unpack_meta
+from mmferry.server.frames import pack_meta, unpack_meta
 
 __all__ = ["RenderJob", "WorkerDied", "WorkerPool", "render_media"]
 
@@ -113,16 +114,16 @@ def _worker_main(conn: Connection, model_name: str, weights: str | None,
                                  job.get("processor_kwargs") or {},
                                  max_image_pixels=max_image_pixels)
             result = {"model": model_name, "items": [item_meta(model, it) for it in items]}
-            # The whole response body is made here, so the server only passes one buffer on.
-            body = (b"".join(encode_body([pack_meta(result), *wire.encode(items)]))
-                    if job.get("frames") else None)
+            frames = [memoryview(f).cast("B") for f in wire.encode(items)] \
+                if job.get("frames") else []
         except Exception as e:  # a job never kills its worker
             err = from_exception(e)
             conn.send_bytes(pack_meta({"ok": False, **err.body()["error"], "status": err.status}))
             continue
-        conn.send_bytes(pack_meta({"ok": True, "result": result, "body": body is not None}))
-        if body is not None:
-            conn.send_bytes(body)
+        conn.send_bytes(pack_meta({"ok": True, "result": result,
+                                   "frames": [f.nbytes for f in frames]}))
+        for frame in frames:  # straight from the tensors' memory: no join here
+            conn.send_bytes(frame)
 
 
 class WorkerDied(RuntimeError):
@@ -145,15 +146,30 @@ class _Worker:
         self.process.start()
         child.close()
 
-    def run(self, job: bytes) -> tuple[dict[str, Any], bytes | None]:
-        """Blocking: send one job, read its answer (called from a thread)."""
+    def run(self, job: bytes) -> tuple[dict[str, Any], memoryview | None]:
+        """Blocking: send one job, read its answer (called from a thread). With frames, the
+        answer is the whole frames response body, its frames read from the pipe straight
+        into their place in it (one copy)."""
         try:
             self.conn.send_bytes(job)
             meta = unpack_meta(self.conn.recv_bytes())
-            body = self.conn.recv_bytes() if meta.get("body") else None
+            if not meta.get("ok") or not meta["frames"]:
+                return meta, None
+            head = pack_meta(meta["result"])
+            sizes = meta["frames"]
+            prefix = struct.pack(f"<I{len(sizes) + 1}Q", len(sizes) + 1, len(head), *sizes)
+            body = bytearray(len(prefix) + len(head) + sum(sizes))
+            view = memoryview(body)
+            view[:len(prefix)] = prefix
+            at = len(prefix) + len(head)
+            view[len(prefix):at] = head
+            for size in sizes:
+                if self.conn.recv_bytes_into(view[at:at + size]) != size:
+                    raise WorkerDied("a frame of the wrong size")
+                at += size
         except (EOFError, OSError) as e:
             raise WorkerDied(str(e)) from None
-        return meta, body
+        return meta, view
 
     def dead(self) -> bool:
         """An idle worker never speaks first: anything readable on its pipe is its EOF."""
@@ -221,7 +237,7 @@ class WorkerPool:
         self._all.append(worker)
         self._idle.put_nowait(worker)
 
-    async def run(self, job: RenderJob) -> tuple[dict[str, Any], bytes | None]:
+    async def run(self, job: RenderJob) -> tuple[dict[str, Any], memoryview | None]:
         """Render ``job`` on an idle worker: the result (``model``, per-item ``items``) and,
         when the job asks for frames, the frames response body. A worker dying under the job
         is replaced and the job retried once."""
@@ -249,7 +265,8 @@ class WorkerPool:
                                   meta.get("field"))
             return meta["result"], body
 
-    async def _on(self, worker: _Worker, payload: bytes) -> tuple[dict[str, Any], bytes | None]:
+    async def _on(self, worker: _Worker, payload: bytes
+                  ) -> tuple[dict[str, Any], memoryview | None]:
         try:
             result = await asyncio.to_thread(worker.run, payload)
         except WorkerDied:
