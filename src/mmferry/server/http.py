@@ -164,8 +164,10 @@ def serve(app: FastAPI, host: str, port: int, *, name: str) -> None:
               "it can use it", file=sys.stderr, flush=True)
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"{name}: listening on http://{shown}:{bound_port}", flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                            h11_max_incomplete_event_size=64 << 10)
+    # h11 whatever else is installed: it caps a request's header block (64 KiB here); the
+    # httptools parser has no such cap.
+    config = uvicorn.Config(app, http="h11", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=2, h11_max_incomplete_event_size=64 << 10)
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
