@@ -113,9 +113,10 @@ class EncoderRunner:
         self._lock = threading.RLock()
         self.last = RunStats()
 
-    def cache_key(self, item: Item) -> str:
-        """The key ``item``'s embedding is cached under: this model's id and the item's hash."""
-        return f"{self.model_id}:{item.hash}"
+    def cache_key(self, item: Item | str) -> str:
+        """The key an item's embedding is cached under: this model's id and the item's hash
+        (``item`` is the item or its hash)."""
+        return f"{self.model_id}:{item if isinstance(item, str) else item.hash}"
 
     def release(self, request: Hashable) -> None:
         """The request is done: its cache entries may be evicted."""
