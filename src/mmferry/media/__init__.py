@@ -7,6 +7,7 @@ from mmferry.media.audio import (
     AudioSource,
     decode_audio,
     load_audio,
+    load_audios,
 )
 from mmferry.media.image import (
     MAX_PIXELS,
@@ -26,6 +27,7 @@ __all__ = [
     "ImageSource",
     "decode_audio",
     "load_audio",
+    "load_audios",
     "load_image",
     "load_images",
     "load_video",

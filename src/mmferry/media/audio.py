@@ -31,6 +31,7 @@ __all__ = [
     "AudioSource",
     "decode_audio",
     "load_audio",
+    "load_audios",
 ]
 
 MAX_AUDIO_SECONDS = 600.0
@@ -340,18 +341,20 @@ def decode_audio(source: AudioSource, *, sampling_rate: int | None = None, index
 
 def load_audio(source: AudioSource, sampling_rate: int, *, index: int | None = None,
                max_seconds: float = MAX_AUDIO_SECONDS, max_bytes: int = MAX_AUDIO_BYTES,
-               max_channels: int = MAX_CHANNELS) -> np.ndarray:
+               max_channels: int = MAX_CHANNELS, min_samples: int = 1) -> np.ndarray:
     """Decode ``source`` into float32 mono samples at ``sampling_rate`` (a 1-D array).
 
     ``source``: a path, encoded bytes, a binary file object, a 1-D float / int16 / int32 array
     (taken as already at ``sampling_rate``) or an ``(array, rate)`` pair (the array 1-D, or
     ``samples x channels``). Files are read only if they are regular files, and their size is
     checked before reading. Channels are averaged; the rate is converted with soxr (HQ).
-    ``index`` names an in-memory source in errors (``item N``).
+    ``index`` names an in-memory source in errors (``item N``). ``min_samples``: the fewest
+    samples (at ``sampling_rate``) a model can take.
 
     Raises:
         MediaError: empty, truncated, non-audio or undecodable data; more than ``max_seconds``
-            of audio, ``max_bytes`` of encoded data or ``max_channels`` channels.
+            of audio, ``max_bytes`` of encoded data or ``max_channels`` channels; fewer than
+            ``min_samples`` samples.
         ArgumentError: ``sampling_rate`` is not a positive int.
     """
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, int | np.integer) \
@@ -360,9 +363,33 @@ def load_audio(source: AudioSource, sampling_rate: int, *, index: int | None = N
     samples, rate = decode_audio(source, sampling_rate=int(sampling_rate), index=index,
                                  max_seconds=max_seconds, max_bytes=max_bytes,
                                  max_channels=max_channels)
-    if rate == sampling_rate:
-        return samples
-    import soxr
+    if rate != sampling_rate:
+        import soxr
 
-    out = soxr.resample(samples, rate, int(sampling_rate), quality="HQ")
-    return np.ascontiguousarray(out, dtype=np.float32)
+        samples = np.ascontiguousarray(soxr.resample(samples, rate, int(sampling_rate), quality="HQ"),
+                                       dtype=np.float32)
+    if len(samples) < min_samples:
+        raise MediaError(f"{len(samples)} samples at {sampling_rate} Hz; the model needs at least "
+                         f"{min_samples}", source=_name(source, index))
+    return samples
+
+
+def _is_one_clip(audios: Any) -> bool:
+    if isinstance(audios, tuple):
+        return len(audios) == 2 and isinstance(audios[1], int | np.integer) \
+            and not isinstance(audios[1], bool)
+    return not isinstance(audios, list)
+
+
+def load_audios(audios: Any, sampling_rate: int, *, max_seconds: float = MAX_AUDIO_SECONDS,
+                max_bytes: int = MAX_AUDIO_BYTES, max_channels: int = MAX_CHANNELS,
+                min_samples: int = 1) -> list[np.ndarray]:
+    """:func:`load_audio` for one source or a list of them (a tuple is one ``(array, rate)``
+    clip when it is a pair with an int rate, else a list); errors name the file or
+    ``item N`` (its index). ``None`` is no clips."""
+    if audios is None:
+        return []
+    sources = [audios] if _is_one_clip(audios) else list(audios)
+    return [load_audio(s, sampling_rate, index=i, max_seconds=max_seconds, max_bytes=max_bytes,
+                       max_channels=max_channels, min_samples=min_samples)
+            for i, s in enumerate(sources)]

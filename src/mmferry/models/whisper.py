@@ -35,6 +35,7 @@ __all__ = [
     "EncoderConfig",
     "EncoderLayer",
     "FeatureConfig",
+    "dummy_clip",
     "log_mel",
     "mel_filters",
     "speech_like",
@@ -254,6 +255,19 @@ def speech_like(seconds: float, sampling_rate: int = 16000, seed: int = 0) -> np
     return (0.5 * out / max(1e-9, np.abs(out).max())).astype(np.float32)
 
 
+@lru_cache(maxsize=8)
+def _cached_speech(seconds: float, seed: int) -> np.ndarray:
+    clip = speech_like(seconds, 16000, seed)
+    clip.setflags(write=False)
+    return clip
+
+
+def dummy_clip(seconds: float, seed: int) -> tuple[np.ndarray, int]:
+    """``(speech_like(seconds, 16000, seed), 16000)``, generated once per process: a model's
+    ``dummy_inputs`` is called often and the synthesis is the slow part."""
+    return _cached_speech(seconds, seed), 16000
+
+
 # -- encoder -----------------------------------------------------------------------------
 
 
@@ -368,12 +382,16 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv2(x))[:, :, :positions]
         return x.transpose(1, 2) + self.embed_positions.weight[:positions]
 
-    def forward(self, features: torch.Tensor, positions: int,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``key_mask``: bool ``[b, 1, 1, positions]`` (True: attend) or None (all)."""
+    def forward(self, features: torch.Tensor, positions: int, key_mask: torch.Tensor | None = None,
+                pool: int = 1) -> torch.Tensor:
+        """``[b, positions // pool, d]``. ``key_mask``: bool ``[b, 1, 1, positions]`` (True:
+        attend) or None (every key). ``pool``: average each run of ``pool`` positions before
+        the final LayerNorm (Qwen2-Audio's ``AvgPool1d(2, 2)``); ``positions`` a multiple."""
         x = self.embed(features, positions)
         for layer in self.layers:
             x = layer(x, key_mask)
+        if pool > 1:
+            x = x.unflatten(1, (positions // pool, pool)).mean(dim=2)
         return self.layer_norm(x)
 
 
