@@ -74,7 +74,7 @@ class Qwen2AudioConfig:
         audio = config.get("audio_config")
         if not isinstance(audio, Mapping):
             raise ArgumentError("needs an audio_config mapping", argument="audio_config")
-        hidden = (config.get("text_config") or {}).get("hidden_size", cls.text_hidden_size)
+        hidden = (config.get("text_config") or {}).get("hidden_size", 4096)
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
             raise ArgumentError(f"must be a positive int, got {hidden!r}",
                                 argument="text_config.hidden_size")
