@@ -26,6 +26,7 @@ __all__ = [
     "plan_reduction",
     "reduce_field",
     "split_field",
+    "value_devices",
 ]
 
 
@@ -486,7 +487,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
 
 
 def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
-    """Reduce per-item values into the batch value, in fresh host memory.
+    """Reduce per-item values into the batch value, in fresh memory on the values' device.
 
     A single tensor item is not copied: batched gives a leading-1 view, flat the item itself
     (made contiguous), as vLLM does.
@@ -505,4 +506,16 @@ def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
         elif _concatenable(values, spec.dim):
             return torch.cat(values, spec.dim)
     plan = plan_reduction(name, spec, values)
-    return plan.fill([torch.empty(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)])
+    leaves: list[torch.Tensor] = []
+    _tensor_leaves(list(values), leaves)
+    # Values already on a device are reduced there (no host round trip).
+    device = leaves[0].device if leaves else None
+    return plan.fill([torch.empty(s, dtype=d, device=device)
+                      for s, d in zip(plan.shapes, plan.dtypes, strict=True)])
+
+
+def value_devices(value: Any) -> set[torch.device]:
+    """The devices of every tensor in ``value`` (a tensor, a nested list, a plain value)."""
+    leaves: list[torch.Tensor] = []
+    _tensor_leaves(value, leaves)
+    return {t.device for t in leaves}

@@ -19,7 +19,7 @@ import torch
 from blake3 import blake3
 from PIL import Image
 
-from mmferry.errors import MediaError
+from mmferry.errors import ContractError, MediaError
 
 if TYPE_CHECKING:
     from mmferry.fields import FieldSpec
@@ -37,9 +37,13 @@ def _frame(h: blake3, tag: bytes, payload: bytes | memoryview) -> None:
 
 
 def _update_tensor(h: blake3, t: torch.Tensor) -> None:
-    t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        # Reading it back would be a hidden blocking sync in the hot path: hash where the
+        # processor ran, on the host, or give the item its hash explicitly.
+        raise ContractError(
+            f"cannot hash a tensor on {t.device}: hash items on the host (where they are "
+            "processed) or build the Item with hash=...")
+    t = t.detach()
     _frame(h, b"T", f"{t.dtype}|{tuple(t.shape)}".encode())
     flat = t.contiguous().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
