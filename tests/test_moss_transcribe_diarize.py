@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 import mmferry as mf
 from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.media.samples import speech_like
 from mmferry.models import moss_transcribe_diarize as moss
-from mmferry.models.whisper import EncoderConfig, speech_like
+from mmferry.models.whisper import EncoderConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.moss_transcribe_diarize.feature_extraction_moss_transcribe_diarize import (  # noqa: E402

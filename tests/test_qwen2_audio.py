@@ -14,8 +14,8 @@ import torch
 
 import mmferry as mf
 from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.media.samples import speech_like
 from mmferry.models import qwen2_audio
-from mmferry.models.whisper import speech_like
 
 transformers = pytest.importorskip("transformers")
 

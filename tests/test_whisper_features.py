@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mmferry.errors import ArgumentError
-from mmferry.models.whisper import FeatureConfig, log_mel, mel_filters, speech_like
+from mmferry.media.samples import speech_like
+from mmferry.models.whisper import FeatureConfig, log_mel, mel_filters
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmferry.errors import ArgumentError
+from mmferry.media import samples
 
 __all__ = [
     "AudioEncoder",
@@ -38,7 +39,6 @@ __all__ = [
     "dummy_clip",
     "log_mel",
     "mel_filters",
-    "speech_like",
 ]
 
 # -- features ----------------------------------------------------------------------------
@@ -221,43 +221,9 @@ def log_mel(waveforms: Sequence[np.ndarray], cfg: FeatureConfig) -> tuple[torch.
 # -- synthetic speech --------------------------------------------------------------------
 
 
-def speech_like(seconds: float, sampling_rate: int = 16000, seed: int = 0) -> np.ndarray:
-    """A deterministic speech-like clip: syllables of voiced harmonics (a gliding pitch near
-    90-220 Hz) shaped by three moving formants, with short pauses between syllables and a
-    little breath noise. Float32 in [-1, 1]; used for dummy inputs and benchmarks."""
-    rng = np.random.default_rng(seed)
-    n = int(seconds * sampling_rate)
-    t = np.arange(n) / sampling_rate
-    out = np.zeros(n)
-    pos = int(rng.uniform(0.05, 0.2) * sampling_rate)
-    while pos < n:
-        dur = int(rng.uniform(0.12, 0.35) * sampling_rate)
-        end = min(n, pos + dur)
-        seg = t[pos:end] - t[pos]
-        f0 = rng.uniform(90, 220) * (1 + 0.08 * np.sin(2 * np.pi * rng.uniform(2, 5) * seg))
-        phase = 2 * np.pi * np.cumsum(f0) / sampling_rate
-        formants = rng.uniform([350, 900, 2200], [800, 2000, 3200])
-        # sin(kθ) by the Chebyshev recurrence: multiply-adds, no per-harmonic sine.
-        two_cos, prev, cur = 2 * np.cos(phase), np.zeros_like(phase), np.sin(phase)
-        harmonics, mean_f0 = np.zeros(end - pos), f0.mean()
-        for k in range(1, int(4000 / f0.max()) + 1):
-            freq = k * mean_f0
-            gain = sum(np.exp(-0.5 * ((freq - fm) / (60 + 0.08 * fm)) ** 2) for fm in formants)
-            harmonics += (gain + 0.02) / k ** 0.5 * cur
-            prev, cur = cur, two_cos * cur - prev
-        envelope = np.sin(np.pi * np.minimum(1.0, seg / (dur / sampling_rate))) ** 2
-        out[pos:end] += envelope * harmonics
-        out[pos:end] += 0.02 * envelope * rng.standard_normal(end - pos)
-        # Syllables run into words; every few, a pause.
-        pos = end + int(sampling_rate * (rng.uniform(0.25, 0.6) if rng.random() < 0.3
-                                         else rng.uniform(0.0, 0.05)))
-    out += 0.002 * rng.standard_normal(n)
-    return (0.5 * out / max(1e-9, np.abs(out).max())).astype(np.float32)
-
-
 @lru_cache(maxsize=8)
 def _cached_speech(seconds: float, seed: int) -> np.ndarray:
-    clip = speech_like(seconds, 16000, seed)
+    clip = samples.speech_like(seconds, 16000, seed)
     clip.setflags(write=False)
     return clip
 
