@@ -85,3 +85,14 @@ def test_speech_like_is_deterministic_voiced_and_has_pauses() -> None:
     freqs = np.fft.rfftfreq(len(a), 1 / 16000)
     # Voiced: most energy below 4 kHz, not flat like noise.
     assert spectrum[freqs < 4000].sum() > 5 * spectrum[freqs >= 4000].sum()
+
+
+def test_frames_that_stop_short_of_the_chunk_and_tiny_clips() -> None:
+    """A hop longer than half a window: the last frame ends before the chunk does, and a
+    one-sample clip still reflects at the left edge."""
+    cfg = FeatureConfig(feature_size=40, hop_length=512, chunk_length=1)
+    clips = [np.random.default_rng(n).standard_normal(n).astype(np.float32) for n in (1, 100, 16000, 20000)]
+    features, mask = log_mel(clips, cfg)
+    ref = _reference(clips, cfg)
+    torch.testing.assert_close(features, ref["input_features"], atol=1e-4, rtol=0)
+    assert torch.equal(mask, ref["attention_mask"])

@@ -18,6 +18,8 @@ transformed at all: they are the constant log of the floor.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
@@ -171,6 +173,27 @@ def _frames_to_compute(length: int, cfg: FeatureConfig) -> int:
     return min(cfg.nb_max_frames, -(-(length + cfg.n_fft // 2) // cfg.hop_length))
 
 
+class _Workspace(threading.local):
+    """Per-thread scratch tensors for one clip's STFT, reused across calls.
+
+    A 30 s clip's frames and spectrum are ~10 MB; fresh tensors of that size are fresh pages,
+    and on a busy machine their page faults cost as much as the FFT. Reuse bounds the memory
+    to one clip's worth per thread (clips are transformed one at a time)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < size:
+            buf = self.buffers[name] = torch.empty(size, dtype=dtype)
+        return buf[:size].view(shape)
+
+
+_WORK = _Workspace()
+
+
 def log_mel(waveforms: Sequence[np.ndarray], cfg: FeatureConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Whisper log-mel features of each clip, padded or truncated to one chunk.
 
@@ -181,40 +204,44 @@ def log_mel(waveforms: Sequence[np.ndarray], cfg: FeatureConfig) -> tuple[torch.
     inside the clip).
     """
     n, hop, n_fft, frames = cfg.n_samples, cfg.hop_length, cfg.n_fft, cfg.nb_max_frames
-    count = len(waveforms)
-    lengths = [min(len(w), n) for w in waveforms]
-    todo = max((_frames_to_compute(length, cfg) for length in lengths), default=0)
-    # Reflect-pad each clip as torch.stft(center=True) does, but only as far as the frames
-    # that see the clip; the rest of the chunk is padding.
-    half = n_fft // 2
-    span = (todo - 1) * hop + n_fft
-    padded = np.full((count, n + 2 * half), cfg.padding_value, dtype=np.float32)
-    for row, (w, length) in zip(padded, zip(waveforms, lengths, strict=True), strict=True):
-        row[half:half + length] = w[:length]
-        row[:half] = row[2 * half:half:-1]
-        row[half + n:] = row[half + n - 2:n - 2:-1]
-    signal = torch.from_numpy(padded[:, :span])
-    spec = torch.stft(signal, n_fft, hop, window=_window(n_fft), center=False, return_complex=True)
-    # The complex output is frame-major in memory: per frame, (re, im) of each bin. Squared in
-    # place, a filter bank with each weight twice (once for re², once for im²) gives the mel
-    # power directly, with no |.| and no new multi-megabyte tensor (whose page faults cost as
-    # much as the math here).
-    squares = torch.view_as_real(spec).transpose(1, 2).reshape(count, todo, -1).square_()
-    log_spec = torch.empty(count, cfg.feature_size, frames)
-    mel = log_spec if todo == frames else torch.empty(count, cfg.feature_size, todo)
-    for band in _bands(cfg.feature_size, n_fft, cfg.sampling_rate):
-        torch.matmul(band.weight, squares[:, :, band.lo:band.hi].transpose(1, 2),
-                     out=mel[:, band.first:band.last])
-    if mel is not log_spec:
-        log_spec[:, :, :todo] = mel
-        log_spec[:, :, todo:] = torch.tensor(_LOG_FLOOR, dtype=torch.float32).log10()
-    log_spec[:, :, :todo].clamp_(min=_LOG_FLOOR).log10_()
-    peak = log_spec.amax(dim=(1, 2), keepdim=True)
-    torch.maximum(log_spec, peak - 8.0, out=log_spec)
+    half, bins = n_fft // 2, n_fft // 2 + 1
+    window = _window(n_fft)
+    bands = _bands(cfg.feature_size, n_fft, cfg.sampling_rate)
+    floor = float(torch.tensor(_LOG_FLOOR, dtype=torch.float32).log10())
+    log_spec = torch.empty(len(waveforms), cfg.feature_size, frames)
+    mask = torch.zeros(len(waveforms), frames, dtype=torch.int32)
+    for row, wave in enumerate(waveforms):
+        length = min(len(wave), n)
+        todo = _frames_to_compute(length, cfg)
+        span = (todo - 1) * hop + n_fft
+        # The clip padded to a chunk and reflect-padded as torch.stft(center=True) does, as
+        # far as the frames that see the clip reach.
+        end = max(span, 2 * half + 1)  # the left reflection reads sample `half`
+        signal = _WORK.get("signal", (end,), torch.float32)
+        padded = signal.numpy()
+        inside = min(length, end - half)  # the last frames may stop short of the chunk
+        padded[half:half + inside] = wave[:inside]
+        padded[half + inside:min(end, half + n)] = cfg.padding_value
+        padded[:half] = padded[2 * half:half:-1]
+        if end > half + n:
+            right = end - half - n
+            padded[half + n:end] = padded[half + n - 2:half + n - 2 - right:-1]
+        framed = _WORK.get("frames", (todo, n_fft), torch.float32)
+        torch.mul(signal[:span].unfold(0, n_fft, hop), window, out=framed)
+        spec = _WORK.get("spec", (todo, bins), torch.complex64)
+        torch.fft.rfft(framed, dim=-1, out=spec)
+        # Per frame, (re, im) of each bin; squared in place, a filter bank holding each weight
+        # twice (for re² and im²) gives the mel power with no |.| and no new tensor.
+        squares = torch.view_as_real(spec).view(todo, 2 * bins).square_()
+        mel = _WORK.get("mel", (cfg.feature_size, todo), torch.float32)
+        for band in bands:
+            torch.matmul(band.weight, squares[:, band.lo:band.hi].T, out=mel[band.first:band.last])
+        out = log_spec[row]
+        torch.log10(mel.clamp_(min=_LOG_FLOOR), out=out[:, :todo])
+        out[:, todo:] = floor
+        out.clamp_(min=out.max() - 8.0)
+        mask[row, :-(-length // hop)] = 1
     log_spec.add_(4.0).div_(4.0)
-    mask = torch.zeros(count, frames, dtype=torch.int32)
-    for row, length in zip(mask, lengths, strict=True):
-        row[:-(-length // hop)] = 1
     return log_spec, mask
 
 
