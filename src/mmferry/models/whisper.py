@@ -322,9 +322,11 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         # The query is scaled before the product, as Whisper does (and its checkpoints expect
         # to the last bit).
-        q = (self.q_proj(x) * self.scaling).view(b, n, self.heads, -1).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.heads, -1).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.heads, -1).transpose(1, 2)
+        # Heads made contiguous: the CPU attention kernel runs ~15% faster on them than on
+        # the strided views, for a copy of a few percent of its time.
+        q = (self.q_proj(x) * self.scaling).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
+        k = self.k_proj(x).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
+        v = self.v_proj(x).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=1.0)
         return self.out_proj(o.transpose(1, 2).reshape(b, n, -1))
 
