@@ -23,6 +23,8 @@ __all__ = ["CheckpointError", "load", "model_class", "names"]
 
 _REGISTRY: dict[str, str] = {
     "qwen2-vl": "mmferry.models.qwen2_vl:Qwen2VL",
+    "qwen2-audio": "mmferry.models.qwen2_audio:Qwen2Audio",
+    "moss-transcribe-diarize": "mmferry.models.moss_transcribe_diarize:MossTranscribeDiarize",
 }
 SEED = 0
 
