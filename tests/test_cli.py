@@ -198,3 +198,22 @@ def test_an_unwritable_out_is_caught_before_encoding(images: list[Path], tmp_pat
     result = CliRunner().invoke(main, ["encode", str(images[0]), "--out", str(taken)])
     assert result.exit_code == 2 and "--out" in result.output and "directory" in result.output
     assert not calls
+
+
+def test_encode_audio_files_prints_seconds_and_fails_bad_ones_alone(tmp_path: Path) -> None:
+    from mmferry.media import samples
+
+    good = samples.write_audio(tmp_path / "speech.wav", samples.speech_like(2.5, 16000), 16000)
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    image = tmp_path / "pic.png"
+    Image.fromarray(samples.photo_like(32, 32)).save(image)
+    result = run("encode", "--model", "qwen2-audio", str(good), str(empty), str(image))
+    assert result.exit_code == 1
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:4]}
+    assert rows["speech.wav"][3:6] == ["miss", "audio", "2.50s"]
+    # Whisper: 250 mel frames -> (250 - 1) // 2 + 1 = 125 after the stride-2 conv ->
+    # (125 - 2) // 2 + 1 = 62 after pooling.
+    assert rows["speech.wav"][1] == "62"
+    assert rows["empty.wav"][3] == "error" and rows["pic.png"][3] == "error"
+    assert "empty.wav" in result.stderr and "pic.png: is image" in result.stderr

@@ -86,11 +86,12 @@ def _describe_media(modality: str, media: Any) -> str:
         return f"{media.width}x{media.height}"
     if modality == "video":
         return f"{len(media)}x{media[0].width}x{media[0].height}"
-    return "-"
+    samples, rate = media
+    return f"{len(samples) / rate:.2f}s"
 
 
 def _prepare(model: EncoderModel, path: Path) -> _FileResult:
-    from mmferry.media import load_image, load_video
+    from mmferry.media import decode_audio, load_image, load_video
 
     result = _FileResult(path)
     try:
@@ -99,9 +100,9 @@ def _prepare(model: EncoderModel, path: Path) -> _FileResult:
             raise MediaError(f"is {modality}; {model.name} takes "
                              f"{', '.join(model.modalities)}", source=str(path))
         t0 = time.perf_counter()
-        # Audio is decoded by the processor, at the rate its features need.
+        # Audio at its own rate: the processor resamples it to the rate its features need.
         media: Any = (load_image(path) if modality == "image" else
-                      load_video(path) if modality == "video" else path)
+                      load_video(path) if modality == "video" else decode_audio(path))
         result.media = _describe_media(modality, media)
         t1 = time.perf_counter()
         outputs = model.processor(**{_PROCESSOR_ARGUMENT[modality]: [media]})
