@@ -960,14 +960,14 @@ class MiniCPMV46(nn.Module):
         return out
 
     def dummy_inputs(self) -> dict[str, Any]:
-        """Processor output at a small ``scale_resolution`` (112): images in "16x" (one
-        scaled up unsliced, one sliced 2×2 plus a source, one wide sliced 1×3) and two videos
-        in "4x" (2 frames unsliced, 3 frames sliced)."""
+        """Processor output at a small ``scale_resolution`` (56): images in "16x" (one scaled
+        up unsliced, one sliced 2×2 plus a source, one wide sliced 1×4) and two videos in
+        "4x" (2 frames unsliced, 3 frames sliced)."""
         rng = np.random.default_rng(0)
         images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-                  for h, w in ((60, 90), (200, 210), (90, 330))]
+                  for h, w in ((40, 50), (100, 120), (50, 220))]
         videos = [rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
-                  for t, h, w in ((2, 70, 100), (3, 150, 180))]
-        out = self.processor(images=images, scale_resolution=112, downsample_mode="16x")
-        out.update(self.processor(videos=videos, scale_resolution=112, downsample_mode="4x"))
+                  for t, h, w in ((2, 40, 50), (3, 60, 100))]
+        out = self.processor(images=images, scale_resolution=56, downsample_mode="16x")
+        out.update(self.processor(videos=videos, scale_resolution=56, downsample_mode="4x"))
         return out
