@@ -18,6 +18,7 @@ no padding mask exists; after the window merger the new sizes are the host's ``s
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
@@ -338,8 +339,9 @@ def _as_videos(videos: Any) -> list[Any]:
         return [videos]
     videos = list(videos)
     # One video given as its frames, the way transformers accepts it.
-    if videos and isinstance(videos[0], Image.Image | np.ndarray) and not (
-            isinstance(videos[0], np.ndarray) and videos[0].ndim == 4):
+    first = videos[0] if videos else None
+    if isinstance(first, Image.Image | str | os.PathLike | bytes | bytearray | memoryview) or (
+            isinstance(first, np.ndarray) and first.ndim <= 3):
         return [videos]
     return videos
 
@@ -384,18 +386,15 @@ class Attention(nn.Module):
         """``x`` ``[N, D]`` packed rows; ``runs`` (sequences, length) tile it: each run is
         ``sequences`` back-to-back sequences of ``length`` rows that attend within
         themselves. Projections run once over all rows, attention once per run."""
-        n, d = x.shape
+        d = x.shape[1]
         hd = d // self.heads
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         outs, start = [], 0
         for count, length in runs:
             stop = start + count * length
-
-            def heads(t: torch.Tensor, c: int = count, ln: int = length,
-                      s: int = start, e: int = stop) -> torch.Tensor:
-                return t[s:e].view(c, ln, self.heads, hd).transpose(1, 2)
-
-            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+            qs, ks, vs = (t[start:stop].view(count, length, self.heads, hd).transpose(1, 2)
+                          for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs)
             outs.append(o.transpose(1, 2).reshape(count * length, d))
             start = stop
         return self.out_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
@@ -914,7 +913,6 @@ class MiniCPMV46(nn.Module):
                      tower.embeddings.patch_embedding.bias)
         x = x + F.embedding(positions_d, tower.embeddings.position_embedding.weight)
 
-        kh, kw = cfg.window_kernel_size
         for layer_id, layer in enumerate(tower.encoder.layers[:cfg.depth]):
             x = layer(x, [(g.count, g.h * g.w) for g in groups])
             if layer_id == cfg.insert_layer_id and any(g.merged for g in groups):
