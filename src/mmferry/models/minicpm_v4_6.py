@@ -864,29 +864,30 @@ class MiniCPMV46(nn.Module):
         cfg = self.config
         patch = cfg.patch_size
         tower = self.vision_tower
-        # Host plan. Slices are packed so that slices of one size (and merger flag) are
-        # contiguous: each such run attends in one batched call, with no padding.
-        slices = []  # (group key, row of its first patch in the unpadded pixel rows, h, w)
+        # Host plan. Slices are packed so that slices of one size are contiguous, the ones
+        # that go through the window merger first: each run attends in one batched call,
+        # with no padding, and the merger takes one leading span.
+        slices: list[tuple[bool, int, int, int]] = []  # (bypass, h, w, first patch row)
         base = 0
         for p, s, merged in zip(pixels, sizes, flags, strict=True):
             per_slice = p.shape[3] // patch
-            for j, (h, w) in enumerate(s):
-                slices.append(((not merged, h, w), base + j * per_slice, h, w, merged))
+            slices += [(not merged, h, w, base + j * per_slice) for j, (h, w) in enumerate(s)]
             base += p.shape[0] * per_slice
-        order = sorted(range(len(slices)), key=lambda i: slices[i][0])
+        order = sorted(range(len(slices)), key=lambda i: slices[i][:3])
         groups: list[Group] = []
         for i in order:
-            _, _, h, w, merged = slices[i]
-            if groups and (groups[-1].h, groups[-1].w, groups[-1].merged) == (h, w, merged):
+            bypass, h, w, _ = slices[i]
+            if groups and (groups[-1].h, groups[-1].w, groups[-1].merged) == (h, w, not bypass):
                 groups[-1] = replace(groups[-1], count=groups[-1].count + 1)
             else:
-                groups.append(Group(1, h, w, merged))
+                groups.append(Group(1, h, w, not bypass))
         side = cfg.image_size // patch
-        gather = torch.cat([torch.arange(slices[i][1], slices[i][1] + slices[i][2] * slices[i][3])
-                            for i in order])
-        positions = torch.cat([_position_ids(slices[i][2], slices[i][3], side) for i in order])
+        gather = torch.cat([torch.arange(first, first + h * w)
+                            for _, h, w, first in (slices[i] for i in order)])
+        positions = torch.cat([_position_ids(h, w, side)
+                               for _, h, w, _ in (slices[i] for i in order)])
         # Output rows of each slice in packed order, then the item order the caller expects.
-        counts = [self._slice_tokens(h, w, merged) for _, _, h, w, merged in slices]
+        counts = [self._slice_tokens(h, w, not bypass) for bypass, h, w, _ in slices]
         starts = [0] * len(slices)
         offset = 0
         for i in order:
@@ -930,32 +931,15 @@ class MiniCPMV46(nn.Module):
 
     def _window_merge(self, x: torch.Tensor,
                       groups: list[Group]) -> tuple[torch.Tensor, list[Group]]:
-        """The window merger on the merged groups' rows; the others pass unchanged. New
-        sizes are the host's ``size // k`` (nothing is read back from the device)."""
+        """The window merger on the merged groups (packed first); the others pass unchanged.
+        New sizes are the host's ``size // k``: nothing is read back from the device."""
         kh, kw = self.config.window_kernel_size
-        merger = self.vision_tower.vit_merger
         merged = [g for g in groups if g.merged]
-        out = merger(torch.cat([x[s:e] for s, e, g in self._spans(groups) if g.merged])
-                     if len(merged) < len(groups) else x, merged)
-        pieces, start = [], 0
-        for s, e, g in self._spans(groups):
-            if g.merged:
-                n = g.count * (g.h // kh) * (g.w // kw)
-                pieces.append(out[start:start + n])
-                start += n
-            else:
-                pieces.append(x[s:e])
-        new = [replace(g, h=g.h // kh, w=g.w // kw) if g.merged else g for g in groups]
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)), new
-
-    @staticmethod
-    def _spans(groups: Sequence[Group]) -> list[tuple[int, int, Group]]:
-        out, start = [], 0
-        for g in groups:
-            stop = start + g.count * g.h * g.w
-            out.append((start, stop, g))
-            start = stop
-        return out
+        span = sum(g.count * g.h * g.w for g in merged)
+        out = self.vision_tower.vit_merger(x[:span], merged)
+        if span < x.shape[0]:
+            out = torch.cat([out, x[span:]])
+        return out, [replace(g, h=g.h // kh, w=g.w // kw) if g.merged else g for g in groups]
 
     def dummy_inputs(self) -> dict[str, Any]:
         """Processor output at a small ``scale_resolution`` (56): images in "16x" (one scaled
