@@ -40,17 +40,16 @@ SMALL = 112  # scale_resolution for most cases: slices of at most 8×8 patches
 # bucket, an activation) moves outputs by 1e-2 or more.
 ATOL, RTOL = 1e-4, 1e-5
 
-# (height, width) -> which slicing branch it takes at scale_resolution 112 / 448.
+# name -> ((height, width), slice grid (rows, columns) at scale_resolution 112; (0, 0): none).
 IMAGES = {
-    "upscaled-unsliced": (60, 90),
-    "downscaled-unsliced": (130, 90),
-    "sliced-1x2": (120, 230),
-    "sliced-2x2-square": (230, 220),
-    "sliced-3x1-tall": (400, 130),
-    "sliced-1x4-wide": (90, 500),
-    "sliced-at-max_slice_nums": (700, 600),
+    "upscaled-unsliced": ((60, 90), (0, 0)),
+    "downscaled-unsliced": ((130, 90), (0, 0)),
+    "sliced-1x2": ((120, 230), (1, 2)),
+    "sliced-2x2-square": ((230, 220), (2, 2)),
+    "sliced-4x1-tall": ((400, 130), (4, 1)),
+    "sliced-1x5-wide": ((90, 500), (1, 5)),
+    "sliced-at-max_slice_nums": ((700, 600), (2, 2)),  # with max_slice_nums=4
 }
-
 
 def _rgb(h: int, w: int, seed: int) -> np.ndarray:
     """Photo-like: a gradient, a disc and mild noise (flat noise hides resize differences)."""
@@ -119,7 +118,7 @@ def _reference(ref: MiniCPMV4_6ForConditionalGeneration, frames: list[np.ndarray
 def test_processor_matches_transformers_after_vllm_relayout(mode: str, resolution: int) -> None:
     model = models.load("minicpm-v-4.6")
     if resolution == SMALL:
-        frames = [_rgb(h, w, i) for i, (h, w) in enumerate(IMAGES.values())]
+        frames = [_rgb(h, w, i) for i, ((h, w), _) in enumerate(IMAGES.values())]
         frames.append(_rgb(37, 211, 9))  # extreme aspect ratio
     else:  # unsliced, 1×2, 3×2
         frames = [_rgb(300, 420, 1), _rgb(500, 700, 2), _rgb(1200, 900, 3)]
@@ -228,17 +227,19 @@ def _encode(model: MiniCPMV46, outputs: dict) -> torch.Tensor:
 
 
 BRANCHES = [(case, "16x") for case in IMAGES] + [
-    (case, "4x") for case in ("upscaled-unsliced", "sliced-1x2", "sliced-3x1-tall")]
+    (case, "4x") for case in ("upscaled-unsliced", "sliced-1x2", "sliced-4x1-tall")]
 
 
 @pytest.mark.parametrize(("case", "mode"), BRANCHES, ids=[f"{c}-{m}" for c, m in BRANCHES])
 def test_encoder_matches_transformers_per_slicing_branch(pair, case: str, mode: str) -> None:
     ref, ours = pair
-    frames = [_rgb(*IMAGES[case], 0)]
+    (h, w), (rows, cols) = IMAGES[case]
+    frames = [_rgb(h, w, 0)]
     kwargs = {"max_slice_nums": 4} if case == "sliced-at-max_slice_nums" else {}
     want = _reference(ref, frames, mode, scale_resolution=SMALL, **kwargs)
-    got = _encode(ours, ours.processor(images=frames, scale_resolution=SMALL,
-                                       downsample_mode=mode, **kwargs))
+    out = ours.processor(images=frames, scale_resolution=SMALL, downsample_mode=mode, **kwargs)
+    assert len(out["tgt_sizes"][0]) == 1 + rows * cols
+    got = _encode(ours, out)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
