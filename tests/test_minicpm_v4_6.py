@@ -454,3 +454,32 @@ def test_video_frame_sizes_are_not_read_by_the_encoder(batches) -> None:
     wrong = {**b.specs, "video_image_sizes": mf.FieldSpec.batched("video")}
     assert mf.audit.audit(model.encode, b.data, wrong).ok
 
+
+
+def test_encode_rejects_malformed_batches() -> None:
+    model = models.load("minicpm-v-4.6")
+    d = model.dummy_inputs()
+    px, sizes, flags = d["pixel_values"], d["tgt_sizes"], d["use_vit_merger"]
+    with pytest.raises(ContractError, match="pixel_values"):
+        model.encode(pixel_values=px[:2], tgt_sizes=sizes, use_vit_merger=flags)
+    with pytest.raises(ContractError) as e:
+        model.encode(pixel_values=px)
+    assert e.value.field == "tgt_sizes"
+    with pytest.raises(ContractError, match="exactly one of image or video"):
+        model.encode(pixel_values=px, tgt_sizes=sizes, video_tgt_sizes=sizes)
+    with pytest.raises(ContractError) as e:  # 2×2 grids cannot go through two 2×2 merges
+        model.encode(pixel_values=px, tgt_sizes=[s // 2 for s in sizes], use_vit_merger=flags)
+    assert e.value.field == "tgt_sizes"
+    empty = model.encode(pixel_values=[], tgt_sizes=[], use_vit_merger=torch.zeros(0, 1))
+    assert empty.shape == (0, model.hidden_size)
+
+
+def test_bfloat16_stays_close_to_float32() -> None:
+    model = models.load("minicpm-v-4.6")
+    half = models.load("minicpm-v-4.6", dtype="bfloat16")
+    d = {k: v for k, v in model.dummy_inputs().items() if not k.startswith("video")}
+    with torch.no_grad():
+        got, want = half.encode(**d), model.encode(**d)
+    assert got.dtype == torch.bfloat16
+    # bfloat16 keeps 8 mantissa bits; a few layers of rounding stay within a few percent.
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
