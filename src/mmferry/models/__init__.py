@@ -116,5 +116,6 @@ def load(name: str, weights: str | Path | None = None, config: str | Mapping[str
     if folder is None:
         init_random(model)
     else:
-        load_safetensors(model, folder, cls.checkpoint_prefixes)
+        load_safetensors(model, folder, cls.checkpoint_prefixes,
+                         getattr(cls, "checkpoint_ignore", ()))
     return model.eval().requires_grad_(False)

@@ -9,7 +9,7 @@ weights), lazily, one file at a time.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -65,12 +65,15 @@ def _listing(names: list[str]) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[str, str]) -> None:
+def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[str, str],
+                     ignore: Collection[str] = ()) -> None:
     """Copy the checkpoint's tensors into ``module``'s parameters and buffers by name.
 
     ``prefixes`` maps a checkpoint key prefix to the module's name prefix (e.g.
-    ``{"model.visual.": "visual."}``); keys under no prefix are not read. Every check runs
-    before any tensor is copied. Values are cast to each parameter's dtype.
+    ``{"model.visual.": "visual."}``); keys under no prefix are not read, nor are keys
+    under an ``ignore`` prefix (tensors a checkpoint may carry that the module recomputes,
+    such as a saved positional table). Every check runs before any tensor is copied.
+    Values are cast to each parameter's dtype.
 
     Raises:
         CheckpointError: a parameter the checkpoint lacks, a tensor whose shape differs from
@@ -82,6 +85,8 @@ def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[st
         raise CheckpointError(f"{folder}: not a checkpoint folder")
     wanted: dict[str, tuple[str, Path]] = {}
     for key, file in _key_files(folder).items():
+        if any(key.startswith(p) for p in ignore):
+            continue
         for prefix in sorted(prefixes, key=len, reverse=True):
             if key.startswith(prefix):
                 name = prefixes[prefix] + key[len(prefix):]

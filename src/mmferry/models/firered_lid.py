@@ -477,6 +477,9 @@ class FireRedLID(nn.Module):
     modalities = ("audio",)
     precomputed_fields: frozenset[str] = frozenset()
     checkpoint_prefixes: ClassVar[Mapping[str, str]] = MappingProxyType({"encoder.": "encoder."})
+    # The original training code saved the relative positional table as a buffer; vLLM skips
+    # it when loading ("rebuilt at init") and so does this model (it computes it per call).
+    checkpoint_ignore: ClassVar[tuple[str, ...]] = ("encoder.positional_encoding.",)
 
     def __init__(self, config: EncoderConfig = TINY, features: FeatureConfig | None = None) -> None:
         super().__init__()
@@ -635,6 +638,6 @@ class FireRedLID(nn.Module):
         return torch.stack([F.pad(f, (0, 0, 0, rows - f.shape[0])) for f in feats]).to(dtype)
 
     def dummy_inputs(self) -> dict[str, Any]:
-        """Processor output for two speech-like clips of different lengths (0.8 s, 1.3 s)."""
+        """Processor output for two speech-like clips of different lengths (0.5 s, 0.9 s)."""
         rate = self.features.sampling_rate
-        return self.processor(audios=[speech_like(0.8, rate, seed=1), speech_like(1.3, rate, seed=2)])
+        return self.processor(audios=[speech_like(0.5, rate, seed=1), speech_like(0.9, rate, seed=2)])
