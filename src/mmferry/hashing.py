@@ -114,6 +114,7 @@ def hash_media(
     model_id: str,
     modality: str,
     processor_kwargs: Mapping[str, Any] | None = None,
+    sampling_rate: int | None = None,
 ) -> str:
     """Hex digest of raw media (file bytes, a PIL image, an array or tensor) together with
     the model id and the processor kwargs: the key for caching before processing.
@@ -122,9 +123,16 @@ def hash_media(
     ``os.PathLike``) is hashed by its file's bytes, so the key follows the content, not the
     name. kwargs are hashed by sorted key, so their order does not matter.
 
+    Audio (``modality="audio"``) is hashed by its decoded content, as a PIL image is by its
+    pixels: float32 mono samples plus their rate, so one clip as WAV, FLAC, a path or an
+    ``(array, rate)`` pair has one key. A bare array is taken as being at ``sampling_rate``
+    (the model's rate) when given, else hashed with no rate.
+
     Raises:
-        MediaError: a path that cannot be read.
+        MediaError: a path that cannot be read; audio that cannot be decoded.
     """
+    if modality == "audio":
+        return _hash_audio(media, model_id, processor_kwargs, sampling_rate)
     if isinstance(media, str | os.PathLike):
         try:
             media = Path(media).read_bytes()
@@ -134,5 +142,25 @@ def hash_media(
     _frame(h, b"id", model_id.encode())
     _frame(h, b"m", modality.encode())
     _update(h, media)
+    _update(h, dict(processor_kwargs or {}))
+    return h.hexdigest()
+
+
+def _hash_audio(media: Any, model_id: str, processor_kwargs: Mapping[str, Any] | None,
+                sampling_rate: int | None) -> str:
+    from mmferry.media.audio import decode_audio
+
+    if isinstance(media, torch.Tensor):
+        media = media.detach().cpu().numpy()
+    if isinstance(media, np.ndarray) and sampling_rate is None:
+        # Already in memory, and without a rate there is no duration to limit.
+        samples, rate = decode_audio(media, sampling_rate=1, max_seconds=float("inf"))[0], None
+    else:
+        samples, rate = decode_audio(media, sampling_rate=sampling_rate)
+    h = _hasher(samples.nbytes)
+    _frame(h, b"id", model_id.encode())
+    _frame(h, b"m", b"audio")
+    _update(h, rate)
+    _update(h, samples)
     _update(h, dict(processor_kwargs or {}))
     return h.hexdigest()
