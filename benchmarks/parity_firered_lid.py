@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from encoder_refs.firered_lid import real_config, vllm_embed, vllm_encoder
 
 import mmferry as mf
-from mmferry.models.firered_lid import encoder_lengths, speech_like
+from mmferry.models.firered_lid import encoder_lengths
+from mmferry.models.whisper import speech_like
 
 ENCODER_ATOL = 1e-4
 FBANK_ATOL = 2e-4  # within 60 dB of each frame's loudest bin; see tests/test_firered_lid.py

@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 import mmferry as mf
 from mmferry.errors import ArgumentError, CheckpointError, ContractError, MediaError
 from mmferry.models import firered_lid
-from mmferry.models.firered_lid import encoder_lengths, kaldi_fbank, speech_like
+from mmferry.models.firered_lid import encoder_lengths, kaldi_fbank
+from mmferry.models.whisper import speech_like
 
 knf = pytest.importorskip("kaldi_native_fbank")
 
@@ -66,12 +67,13 @@ def kaldi_reference(wave: np.ndarray, bins: int = 80) -> np.ndarray:
 def clips() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     t = np.arange(8000) / 16000
+    sweep = (0.3 * np.sin(2 * np.pi * (200 + 3000 * t) * t)).astype(np.float32)
     return {
         "speech 0.8 s": speech_like(0.8, seed=1),
         "speech 2.1 s": speech_like(2.1, seed=5),
         "noise with a DC offset": (0.2 + 0.05 * rng.standard_normal(5000)).astype(np.float32),
-        "one frame": speech_like(0.025, seed=3),
-        "frame + 159 samples": speech_like(559 / 16000, seed=4),
+        "one frame": sweep[:400],
+        "frame + 159 samples": sweep[:559],
         "loud tone": (0.99 * np.sin(2 * np.pi * 440 * t)).astype(np.float32),
         "silence": np.zeros(3200, dtype=np.float32),
     }
@@ -152,9 +154,28 @@ def test_processor_matches_vllm_feature_extractor(tmp_path: Path, model) -> None
     assert same["input_features"].shape == (2, lengths[0], 80)
 
 
+def test_processor_reads_files_and_other_rates(tmp_path: Path, model) -> None:
+    import soundfile
+
+    wave = speech_like(0.6, seed=9)
+    path = tmp_path / "a.wav"
+    soundfile.write(path, wave, 16000, subtype="FLOAT")
+    from_array = model.processor(audios=wave)
+    for source in (path, str(path), path.read_bytes()):
+        out = model.processor(audios=[source])
+        torch.testing.assert_close(out["input_features"], from_array["input_features"])
+    # A stereo pair at 8 kHz is downmixed and resampled to 16 kHz first.
+    stereo = np.stack([wave[::2], wave[::2]], axis=1)
+    out = model.processor(audios=[(stereo, 8000)])
+    assert abs(int(out["speech_lengths"][0]) - int(from_array["speech_lengths"][0])) <= 1
+
+
 def test_processor_rejects_bad_input(model) -> None:
     with pytest.raises(MediaError) as e:
         model.processor(audios=[speech_like(0.5), np.zeros(399, dtype=np.float32)])
+    assert e.value.source == "item 1"
+    with pytest.raises(MediaError) as e:
+        model.processor(audios=[speech_like(0.5), b"not audio at all"])
     assert e.value.source == "item 1"
     with pytest.raises(ArgumentError) as e:
         model.processor(audios=[speech_like(0.5)], padding="longest")

@@ -101,7 +101,7 @@ def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torc
     Raises:
         ImportError: vLLM's module is not importable here ("reference unavailable").
     """
-    from mmferry.models.firered_lid import speech_like
+    from mmferry.models.whisper import speech_like
 
     model = mf.models.load(NAME, config=real_config(depth))
     ref = vllm_encoder(model)

@@ -25,6 +25,7 @@ encoder and stays on the host.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -39,7 +40,9 @@ from torch import nn
 
 from mmferry.errors import ArgumentError, CheckpointError, ContractError, MediaError
 from mmferry.fields import FieldSpec
+from mmferry.media import load_audio, source_name
 from mmferry.models.checkpoint import read_json
+from mmferry.models.whisper import speech_like
 from mmferry.transfer import host_and_device
 
 __all__ = [
@@ -49,7 +52,6 @@ __all__ = [
     "FireRedLID",
     "encoder_lengths",
     "kaldi_fbank",
-    "speech_like",
 ]
 
 # float32 log(10000), as the reference's tables take it (``torch.log(torch.tensor(1e4)).item()``).
@@ -238,59 +240,17 @@ def encoder_lengths(frames: int) -> int:
     return _subsampled_count(frames, frames + CONTEXT - 1)
 
 
-def speech_like(seconds: float, sampling_rate: int = 16000, seed: int = 0) -> np.ndarray:
-    """A deterministic speech-like float32 waveform in [-1, 1]: syllables of voiced
-    harmonics (a gliding pitch near 120-220 Hz) shaped by three formant resonances that move
-    per syllable, with amplitude envelopes, short pauses and a little breath noise."""
-    rng = np.random.default_rng(seed)
-    n = int(seconds * sampling_rate)
-    t = np.arange(n) / sampling_rate
-    out = np.zeros(n)
-    start = int(0.05 * sampling_rate)
-    while start < n:
-        length = int(rng.uniform(0.12, 0.3) * sampling_rate)
-        seg = slice(start, min(start + length, n))
-        ts = t[seg] - t[start]
-        f0 = rng.uniform(120, 220) * (1 + 0.08 * np.sin(2 * np.pi * rng.uniform(2, 5) * ts))
-        phase = 2 * np.pi * np.cumsum(f0) / sampling_rate
-        formants = rng.uniform((300, 900, 2200), (800, 2000, 3000))
-        voiced = np.zeros_like(ts)
-        for k in range(1, int(4000 / f0.max())):
-            gain = sum(1 / (1 + ((k * f0 - fm) / 120) ** 2) for fm in formants)
-            voiced += gain * np.sin(k * phase) / k**0.5
-        envelope = np.sin(np.pi * ts / ts[-1]) ** 2 if len(ts) > 1 else np.ones_like(ts)
-        out[seg] = envelope * voiced + 0.01 * rng.standard_normal(len(ts))
-        start += length + int(rng.uniform(0.03, 0.15) * sampling_rate)
-    return (0.5 * out / max(np.abs(out).max(), 1e-9)).astype(np.float32)
-
-
-def _waveform(source: Any, sampling_rate: int, index: int) -> np.ndarray:
-    """One clip as a float32 mono waveform at ``sampling_rate``: a 1-D array (taken at that
-    rate) or an ``(array, rate)`` pair at that rate."""
-    name = f"item {index}"
-    if isinstance(source, tuple) and len(source) == 2:
-        source, rate = source
-        if rate != sampling_rate:
-            raise MediaError(f"sampled at {rate} Hz; this build takes {sampling_rate} Hz",
-                             source=name)
-    wave = np.asarray(source.numpy() if isinstance(source, torch.Tensor) else source)
-    if wave.ndim != 1 or not np.issubdtype(wave.dtype, np.number):
-        raise MediaError(f"expected a 1-D numeric waveform, got {wave.dtype} {list(wave.shape)}",
-                         source=name)
-    wave = wave.astype(np.float32, copy=False)
-    if not np.isfinite(wave).all():
-        raise MediaError("waveform has non-finite samples", source=name)
-    return wave
-
-
 def _as_clips(audios: Any) -> list[Any]:
+    """The clips of ``audios``: one source (a path, bytes, a file object, a 1-D array or an
+    ``(array, rate)`` pair) or a sequence of them."""
     if audios is None:
         return []
-    if isinstance(audios, tuple) and len(audios) == 2 and not isinstance(audios[1], np.ndarray | list):
-        return [audios]
-    if isinstance(audios, np.ndarray | torch.Tensor) and audios.ndim == 1:
-        return [audios]
-    return list(audios)
+    one = (isinstance(audios, str | os.PathLike | bytes | bytearray | memoryview)
+           or hasattr(audios, "read")
+           or (isinstance(audios, np.ndarray | torch.Tensor) and audios.ndim == 1)
+           or (isinstance(audios, tuple) and len(audios) == 2
+               and isinstance(audios[1], int | np.integer) and not isinstance(audios[1], bool)))
+    return [audios] if one else list(audios)
 
 
 # -- encoder -----------------------------------------------------------------------------
@@ -512,13 +472,14 @@ class FireRedLID(nn.Module):
         ``speech_lengths`` ``[B]`` int64 (T per clip) and ``fake_token_lengths`` ``[B]``
         int64 (the encoder frames per clip, the decoder prompt's placeholder count).
 
-        ``audios``: one clip or a sequence; a clip is a 1-D float array at the model's rate
-        (16 kHz) in [-1, 1], or an ``(array, rate)`` pair. ``sampling_rate``, if given, must
-        be the model's, as in the reference.
+        ``audios``: one clip or a sequence; a clip is anything
+        :func:`mmferry.media.load_audio` takes (a path, encoded bytes, a file object, a 1-D
+        array at the model's rate of 16 kHz, or an ``(array, rate)`` pair), decoded to mono at
+        that rate. ``sampling_rate``, if given, must be the model's, as in the reference.
 
         Raises:
-            MediaError: a clip that cannot be read or is shorter than one 25 ms frame; names
-                ``item N``.
+            MediaError: a clip that cannot be decoded, breaks a limit, or is shorter than one
+                25 ms frame; names the file or ``item N``.
             ArgumentError: images or videos, another option, or another sampling rate.
         """
         if kwargs:
@@ -533,12 +494,12 @@ class FireRedLID(nn.Module):
                                 f"{sampling_rate}", argument="sampling_rate")
         feats = []
         for i, clip in enumerate(_as_clips(audios)):
-            wave = _waveform(clip, fc.sampling_rate, i)
+            wave = load_audio(clip, fc.sampling_rate, index=i)
             # The reference feeds int16-scale samples to Kaldi's fbank.
             feat = kaldi_fbank(torch.from_numpy(wave) * 32768, fc.sampling_rate, fc.num_mel_bins)
             if not len(feat):
-                raise MediaError(f"{len(wave)} samples is shorter than one 25 ms frame",
-                                 source=f"item {i}")
+                raise MediaError(f"{len(wave)} samples at {fc.sampling_rate} Hz is shorter than "
+                                 "one 25 ms frame", source=source_name(clip, i))
             feats.append(self._cmvn(feat))
         if not feats:
             return {}
