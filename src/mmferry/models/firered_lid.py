@@ -43,7 +43,7 @@ from mmferry.fields import FieldSpec
 from mmferry.media import load_audio, source_name
 from mmferry.models.checkpoint import read_json
 from mmferry.models.whisper import speech_like
-from mmferry.transfer import host_and_device
+from mmferry.transfer import host_and_device, upload
 
 __all__ = [
     "TINY",
@@ -285,6 +285,42 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """Where each clip's real encoder frames sit in the padded ``[B, T]`` batch.
+
+    Position-wise work (feed-forward, projections, norms, pointwise convolutions) runs on the
+    packed ``[Σ tokens, C]`` rows only; attention and the depthwise convolution, which mix
+    frames, run on the padded batch rebuilt with zeros at the padding. Padding frames cannot
+    reach real ones there (masked keys; zero inputs to a bias-free convolution, as vLLM's
+    ``masked_fill`` makes them), so the result equals the padded computation's real rows.
+    ``rows`` (flat indices of the real frames, from host lengths, uploaded once) is ``None``
+    when nothing is padded.
+    """
+
+    batch: int
+    frames: int
+    rows: torch.Tensor | None
+
+    @classmethod
+    def of(cls, tokens: Sequence[int], frames: int, device: torch.device) -> Packing:
+        if all(n == frames for n in tokens):
+            return cls(len(tokens), frames, None)
+        rows = np.concatenate([np.arange(n) + i * frames for i, n in enumerate(tokens)])
+        return cls(len(tokens), frames, upload(torch.from_numpy(rows), device))
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C]`` -> ``[Σ tokens, C]``."""
+        x = x.flatten(0, 1)
+        return x if self.rows is None else x.index_select(0, self.rows)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[Σ tokens, C]`` -> ``[B, T, C]``, zeros at the padding."""
+        if self.rows is not None:
+            x = x.new_zeros((self.batch * self.frames, x.shape[-1])).index_copy_(0, self.rows, x)
+        return x.view(self.batch, self.frames, -1)
+
+
 class RelPosAttention(nn.Module):
     """Self-attention with relative positions (Transformer-XL): scores are
     ``(q + u)·k + shift((q + v)·p)``; q, k, v each get their own LayerNorm."""
@@ -304,14 +340,15 @@ class RelPosAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.empty(n_head, d_k))
         self.pos_bias_v = nn.Parameter(torch.empty(n_head, d_k))
 
-    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, T, d]``, ``pos_emb`` ``[2T - 1, d]`` (relative positions T-1 .. 1-T),
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, key_bias: torch.Tensor,
+                packing: Packing) -> torch.Tensor:
+        """``x`` ``[Σ tokens, d]``, ``pos_emb`` ``[2T - 1, d]`` (relative positions T-1 .. 1-T),
         ``key_bias`` ``[B, 1, 1, T]`` (0 for a frame, -inf for padding)."""
-        b, t, _ = x.shape
+        b, t = packing.batch, packing.frames
         heads = (b, t, self.n_head, -1)
-        q = self.w_qs(self.layer_norm_q(x)).view(heads)
-        k = self.w_ks(self.layer_norm_k(x)).view(heads).transpose(1, 2)
-        v = self.w_vs(self.layer_norm_v(x)).view(heads).transpose(1, 2)
+        q = packing.unpack(self.w_qs(self.layer_norm_q(x))).view(heads)
+        k = packing.unpack(self.w_ks(self.layer_norm_k(x))).view(heads).transpose(1, 2)
+        v = packing.unpack(self.w_vs(self.layer_norm_v(x))).view(heads).transpose(1, 2)
         p = self.linear_pos(pos_emb).view(1, 2 * t - 1, self.n_head, -1).transpose(1, 2)
         scale = q.shape[-1] ** -0.5
         bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
@@ -323,13 +360,12 @@ class RelPosAttention(nn.Module):
         bias = torch.add(key_bias, bd, alpha=scale)
         out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), k, v,
                                              attn_mask=bias)
-        return self.fc(out.transpose(1, 2).flatten(2))
+        return self.fc(packing.pack(out.transpose(1, 2).flatten(2)))
 
 
 class ConvModule(nn.Module):
-    """Pointwise ×4 conv → GLU → depthwise conv → LayerNorm → Swish → pointwise conv, with
-    padding frames zeroed before and after (the checkpoint calls the LayerNorm
-    ``batch_norm``)."""
+    """Pointwise ×4 conv → GLU → depthwise conv → LayerNorm → Swish → pointwise conv (the
+    checkpoint calls the LayerNorm ``batch_norm``)."""
 
     def __init__(self, d_model: int, kernel_size: int) -> None:
         super().__init__()
@@ -341,15 +377,14 @@ class ConvModule(nn.Module):
         self.batch_norm = nn.LayerNorm(2 * d_model)
         self.pointwise_conv2 = nn.Conv1d(2 * d_model, d_model, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, T, d]``; ``keep`` ``[B, T, 1]``, 1 for a frame and 0 for padding."""
-        # Pointwise convolutions as linear maps over [B, T, C], so only the depthwise
-        # convolution needs the channels-first layout.
-        out = self.pre_layer_norm(x) * keep
-        out = F.glu(F.linear(out, self.pointwise_conv1.weight.squeeze(-1)), dim=-1)
-        out = self.depthwise_conv(out.transpose(1, 2)).transpose(1, 2)
+    def forward(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """``x`` ``[Σ tokens, d]``. Pointwise convolutions are linear maps over the packed
+        rows; only the depthwise one sees the padded, channels-first batch."""
+        out = F.linear(self.pre_layer_norm(x), self.pointwise_conv1.weight.squeeze(-1))
+        out = packing.unpack(F.glu(out, dim=-1))
+        out = packing.pack(self.depthwise_conv(out.transpose(1, 2)).transpose(1, 2))
         out = F.silu(self.batch_norm(out))
-        return F.linear(out, self.pointwise_conv2.weight.squeeze(-1)) * keep
+        return F.linear(out, self.pointwise_conv2.weight.squeeze(-1))
 
 
 class ConformerBlock(nn.Module):
@@ -362,10 +397,10 @@ class ConformerBlock(nn.Module):
         self.layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, key_bias: torch.Tensor,
-                keep: torch.Tensor) -> torch.Tensor:
+                packing: Packing) -> torch.Tensor:
         x = x + 0.5 * self.ffn1(x)
-        x = x + self.mhsa(x, pos_emb, key_bias)
-        x = x + self.conv(x, keep)
+        x = x + self.mhsa(x, pos_emb, key_bias, packing)
+        x = x + self.conv(x, packing)
         x = x + 0.5 * self.ffn2(x)
         return self.layer_norm(x)
 
@@ -389,19 +424,21 @@ class ConformerEncoder(nn.Module):
         angles = torch.arange(t - 1, -t, -1, device=device).float()[:, None] * div
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)
 
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, T + 6, idim]`` (zero padded), ``lengths`` ``[B]`` on the device;
-        returns ``[B, ceil(T / 4), d_model]``."""
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+        """``x`` ``[B, T + 6, idim]`` (zero padded), ``lengths`` ``[B]`` on the device,
+        ``tokens`` each clip's encoder frames (host ints); returns the clips' encoder frames
+        packed, ``[Σ tokens, d_model]``."""
         frames = torch.arange(x.shape[1], device=x.device)
         mask = frames[None, :] < lengths[:, None]
         mask = mask[:, :-2:2][:, :-2:2]
         x = self.input_preprocessor(x)
+        packing = Packing.of(tokens, x.shape[1], x.device)
         key_bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)
         key_bias = key_bias.masked_fill_(~mask, float("-inf"))[:, None, None, :]
-        keep = mask[:, :, None].to(x.dtype)
         pos_emb = self._pos_emb(x.shape[1], x.device).to(x.dtype)
+        x = packing.pack(x)
         for block in self.layer_stack:
-            x = block(x, pos_emb, key_bias, keep)
+            x = block(x, pos_emb, key_bias, packing)
         return x
 
 
@@ -584,9 +621,7 @@ class FireRedLID(nn.Module):
             raise ContractError(f"feature rows {rows} do not hold {LENGTHS} {sizes}", field=FEATURES)
         weight = self.encoder.input_preprocessor.out.weight
         x = self._pad(feats, weight.dtype)
-        out = self.encoder(x, lengths.reshape(-1))
-        tokens = [encoder_lengths(n) for n in sizes]
-        return torch.cat([out[i, :n] for i, n in enumerate(tokens)])
+        return self.encoder(x, lengths.reshape(-1), [encoder_lengths(n) for n in sizes])
 
     def _pad(self, feats: torch.Tensor | Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """``[B, T_max + 6, n]``: the clips zero-padded to the longest plus the subsampling
