@@ -405,8 +405,9 @@ def test_speech_lengths_on_the_device_sync_where_read_on_the_host(model) -> None
                for f in report.findings)
 
 
-def test_recommended_placements(model) -> None:
+def test_features_on_the_host_are_named_where_they_meet_the_weights(model) -> None:
     batch = lid_batch(model)
-    assert mf.audit.recommend(model.encode, batch.data, batch.specs) == {
-        "input_features": mf.Placement.DEVICE, "speech_lengths": mf.Placement.BOTH,
-        "fake_token_lengths": mf.Placement.HOST}
+    wrong = {**batch.specs, "input_features": mf.FieldSpec.batched("audio", placement="host")}
+    report = mf.audit.audit(model.encode, batch.data, wrong)
+    # The padding keeps the features' provenance up to the first convolution.
+    assert ("device_mismatch", ("input_features",)) in {(f.kind, f.fields) for f in report.findings}

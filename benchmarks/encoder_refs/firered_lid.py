@@ -54,6 +54,18 @@ def _init_vllm_cpu() -> None:
     parallel_state.initialize_model_parallel(1, 1)
 
 
+def _vllm_conformer() -> type[torch.nn.Module]:
+    """vLLM's ``ConformerEncoder`` class, with vLLM set up to build it on the CPU."""
+    try:
+        from vllm.model_executor.models.conformer_encoder import ConformerEncoder
+
+        _init_vllm_cpu()
+    except Exception as e:  # not installed, or an install that cannot run on this machine
+        raise ImportError(f"reference unavailable: vLLM's ConformerEncoder cannot be built here "
+                          f"({type(e).__name__}: {e})") from e
+    return ConformerEncoder
+
+
 def vllm_encoder(model: torch.nn.Module) -> torch.nn.Module:
     """vLLM's ``ConformerEncoder`` built like ``model``'s encoder and loaded (strictly) with
     its weights, renamed as vLLM's FireRedLID loader renames the published names.
@@ -62,15 +74,9 @@ def vllm_encoder(model: torch.nn.Module) -> torch.nn.Module:
         ImportError: vLLM (or its conformer encoder) is not importable here, or its CPU
             setup fails; the message says so.
     """
-    try:
-        from vllm.model_executor.models.conformer_encoder import ConformerEncoder
-
-        _init_vllm_cpu()
-    except Exception as e:  # not installed, or an install that cannot run on this machine
-        raise ImportError(f"reference unavailable: vLLM's ConformerEncoder cannot be built here "
-                          f"({type(e).__name__}: {e})") from e
+    conformer_encoder = _vllm_conformer()
     cfg = model.config
-    ref = ConformerEncoder(idim=cfg.idim, n_layers_enc=cfg.n_layers_enc, n_head=cfg.n_head,
+    ref = conformer_encoder(idim=cfg.idim, n_layers_enc=cfg.n_layers_enc, n_head=cfg.n_head,
                            d_model=cfg.d_model, kernel_size=cfg.kernel_size, pe_maxlen=cfg.pe_maxlen)
     state = {}
     for name, value in model.state_dict().items():
@@ -103,6 +109,7 @@ def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torc
     """
     from mmferry.models.whisper import speech_like
 
+    _vllm_conformer()  # fail before building anything when the reference is unavailable
     model = mf.models.load(NAME, config=real_config(depth))
     ref = vllm_encoder(model)
     clips = [speech_like(s, seed=i) for i, s in enumerate(CLIP_SECONDS)]
