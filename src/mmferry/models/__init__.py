@@ -25,6 +25,7 @@ _REGISTRY: dict[str, str] = {
     "qwen2-vl": "mmferry.models.qwen2_vl:Qwen2VL",
     "minicpm-v-4.6": "mmferry.models.minicpm_v4_6:MiniCPMV46",
     "qwen2-audio": "mmferry.models.qwen2_audio:Qwen2Audio",
+    "firered-lid": "mmferry.models.firered_lid:FireRedLID",
     "moss-transcribe-diarize": "mmferry.models.moss_transcribe_diarize:MossTranscribeDiarize",
 }
 SEED = 0

@@ -146,13 +146,16 @@ def _listing(names: list[str]) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[str, str]) -> None:
+def load_safetensors(module: nn.Module, folder: str | Path,
+                     prefixes: Mapping[str, str | None]) -> None:
     """Copy the checkpoint's tensors into ``module``'s parameters and buffers by name.
 
     ``prefixes`` maps a checkpoint key prefix to the module's name prefix (e.g.
-    ``{"model.visual.": "visual."}``); keys under no prefix are not read. Every check runs
-    before any tensor is copied. Floating-point values are cast to each parameter's dtype; a
-    non-floating tensor for a floating-point parameter is an error, not a cast.
+    ``{"model.visual.": "visual."}``); keys under no prefix are not read, nor are keys whose
+    longest matching prefix maps to ``None`` (tensors a checkpoint may carry that the module
+    recomputes, such as a saved positional table). Every check runs before any tensor is
+    copied. Floating-point values are cast to each parameter's dtype; a non-floating tensor
+    for a floating-point parameter is an error, not a cast.
 
     Raises:
         CheckpointError: a parameter the checkpoint lacks, a tensor whose shape differs from
@@ -166,6 +169,8 @@ def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[st
     for key, file in _key_files(folder).items():
         for prefix in sorted(prefixes, key=len, reverse=True):
             if key.startswith(prefix):
+                if prefixes[prefix] is None:
+                    break
                 name = prefixes[prefix] + key[len(prefix):]
                 if name in wanted:
                     raise CheckpointError(
