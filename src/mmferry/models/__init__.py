@@ -23,6 +23,7 @@ __all__ = ["CheckpointError", "load", "model_class", "names"]
 
 _REGISTRY: dict[str, str] = {
     "qwen2-vl": "mmferry.models.qwen2_vl:Qwen2VL",
+    "isaac": "mmferry.models.isaac:IsaacModel",
 }
 SEED = 0
 
