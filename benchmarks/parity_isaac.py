@@ -21,13 +21,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from encoder_refs.isaac import photo, vllm_context, vllm_reference
 
 import mmferry.models as models
 
@@ -54,29 +54,6 @@ BOUNDS = [dict(max_num_patches=256, min_num_patches=64), dict(max_num_patches=61
                                                              min_num_patches=256)]
 
 
-def _photo(h: int, w: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    img = np.stack([255 * x / max(w - 1, 1), 255 * y / max(h - 1, 1),
-                    128 + 100 * np.sin((x + y) / 9)], axis=-1)
-    img += rng.normal(0, 12, img.shape)
-    return np.clip(img, 0, 255).astype(np.uint8)
-
-
-_CONTEXT = []  # vLLM's config context, held for the whole run: its layers read it when built
-
-
-def _vllm_context() -> None:
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    _CONTEXT.append(set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))))
-    _CONTEXT[-1].__enter__()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"file://{tempfile.mktemp()}")
-    initialize_model_parallel(1, 1)
-
-
 def _randomise(model: torch.nn.Module, seed: int) -> None:
     # Random everywhere, norms and biases too, so a misplaced or unused parameter shows.
     gen = torch.Generator().manual_seed(seed)
@@ -84,27 +61,6 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if p.ndim > 1 else 0.3)
                     + (1.0 if p.ndim == 1 else 0.0))
-
-
-def _reference(config: dict, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    from vllm.model_executor.models.isaac import IsaacVisionEmbedding
-    from vllm.transformers_utils.configs.isaac import IsaacConfig
-
-    cfg = IsaacConfig(**config)
-    vision = cfg.vision_config
-    hidden = vision.hidden_size * vision.pixel_shuffle_scale_factor ** 2
-    ref = IsaacVisionEmbedding(vision_cfg=vision, hidden_dim=hidden,
-                               output_dim=cfg.hidden_size).eval()
-    # Checkpoint names (model.vision_embedding.N...) as vLLM's mapper renames them.
-    tower = [(k.removeprefix("vision_embedding.0."), v) for k, v in state.items()
-             if k.startswith("vision_embedding.0.")]
-    loaded = ref.transformer.load_weights(tower)
-    with torch.no_grad():
-        ref.linear_fc1.weight.copy_(state["vision_embedding.1.weight"])
-        ref.linear_fc2.weight.copy_(state["vision_embedding.3.weight"])
-    n_ref = sum(1 for _ in ref.transformer.parameters())
-    assert len(loaded) == n_ref, (sorted(loaded), n_ref)
-    return ref
 
 
 def main() -> int:
@@ -115,16 +71,16 @@ def main() -> int:
     from PIL import Image
     from vllm.transformers_utils.processors.isaac import IsaacImageProcessor
 
-    _vllm_context()
+    vllm_context()
     results, failed = [], False
     for name, config in CONFIGS.items():
         ours = models.load("isaac", config=config)
         _randomise(ours, seed=len(name))
-        ref = _reference(config, ours.state_dict())
+        ref = vllm_reference(config, ours.state_dict())
         vision = config["vision_config"]
         r, patch = vision["pixel_shuffle_scale_factor"], vision["patch_size"]
         for bounds in BOUNDS:
-            pil = [Image.fromarray(_photo(h, w, i)) for i, (h, w) in enumerate(IMAGES)]
+            pil = [Image.fromarray(photo(h, w, i)) for i, (h, w) in enumerate(IMAGES)]
             processor = IsaacImageProcessor(
                 patch_size=patch, vision_max_num_patches=bounds["max_num_patches"],
                 vision_min_num_patches=bounds["min_num_patches"], pixel_shuffle_scale=r)
