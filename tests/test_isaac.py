@@ -8,7 +8,9 @@ vLLM (whose Isaac is the serving reference) is not a dependency. So:
 * the pixels against vLLM's processing steps written out here one op at a time (torch's
   bilinear resize of the uint8 image, rescale, normalise, patchify), bit for bit;
 * the embeddings against a plain per-image re-statement of vLLM's ``IsaacVisionEmbedding``
-  (explicit softmax attention per image, per-image pixel shuffle by reshaping);
+  (explicit softmax attention per image, per-image pixel shuffle by reshaping), and against
+  transformers' own Siglip2 modules composed as transformers main's Isaac composes them
+  (padded batch, masked ``Siglip2Encoder``, ``resize_positional_embeddings``);
 * the checkpoint names against vLLM's ``hf_to_vllm_mapper`` for Isaac.
 
 ``benchmarks/parity_isaac.py`` runs vLLM's own classes against ours (in vLLM's environment):
@@ -41,7 +43,8 @@ CONFIG = {"model_type": "isaac", "hidden_size": 40, "vision_config": VISION}
 SMALL = dict(max_num_patches=256, min_num_patches=64)
 
 # Float32 on both sides; the remaining differences are summation order (batched SDPA against
-# an explicit softmax). Observed ~1e-6 on outputs of magnitude ~10; a wrong position
+# an explicit softmax or a masked padded batch). Observed 5e-6 to 7e-6 on outputs of
+# magnitude ~14; a wrong position
 # interpolation, shuffle order or activation moves them by 1e-2 or more.
 ATOL, RTOL = 1e-4, 1e-5
 
@@ -207,6 +210,62 @@ def test_encoder_matches_the_reference(model: IsaacModel, sources: list) -> None
         ref = _reference_encode(model, d["pixel_values"], grid)
     assert out.shape == (sum(h * w // 4 for _, h, w in grid), 40)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+def _transformers_encode(model: IsaacModel, pixels: torch.Tensor, grid: list) -> torch.Tensor:
+    """The encoder as transformers main's Isaac composes it from transformers' own Siglip2
+    modules (here 5.24's): images padded to one batch, Siglip2VisionEmbeddings'
+    resize_positional_embeddings (a matmul form of the antialiased bilinear resize),
+    Siglip2Encoder under a bidirectional padding mask, post-LayerNorm, then the per-image
+    pixel shuffle and the SiLU projector restated."""
+    from transformers.masking_utils import create_bidirectional_mask
+    from transformers.models.siglip2.configuration_siglip2 import Siglip2VisionConfig
+    from transformers.models.siglip2.modeling_siglip2 import (
+        Siglip2Encoder,
+        Siglip2VisionEmbeddings,
+    )
+
+    cfg = model.config
+    hf = Siglip2VisionConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_channels=cfg.num_channels, patch_size=cfg.patch_size, num_patches=cfg.num_patches,
+        hidden_act=cfg.hidden_act, layer_norm_eps=cfg.layer_norm_eps)
+    hf._attn_implementation = "sdpa"
+    sd = {k.removeprefix("vision_embedding."): v for k, v in model.state_dict().items()}
+    encoder = Siglip2Encoder(hf).eval()
+    encoder.load_state_dict({k.removeprefix("0.encoder."): v for k, v in sd.items()
+                             if k.startswith("0.encoder.")})
+    d, r, side = cfg.hidden_size, cfg.pixel_shuffle_scale_factor, math.isqrt(cfg.num_patches)
+    lengths = [h * w for _, h, w in grid]
+    longest = max(lengths)
+    padded = torch.zeros(len(grid), longest, pixels.shape[1])
+    mask = torch.zeros(len(grid), longest, dtype=torch.long)
+    for i, chunk in enumerate(pixels.split(lengths)):
+        padded[i, :len(chunk)], mask[i, :len(chunk)] = chunk, 1
+    x = F.linear(padded, sd["0.embeddings.patch_embedding.weight"],
+                 sd["0.embeddings.patch_embedding.bias"])
+    x = x + Siglip2VisionEmbeddings.resize_positional_embeddings(
+        sd["0.embeddings.position_embedding.weight"].reshape(side, side, d),
+        torch.tensor([[h, w] for _, h, w in grid]), max_length=longest)
+    x = encoder(inputs_embeds=x, attention_mask=create_bidirectional_mask(
+        config=hf, inputs_embeds=x, attention_mask=mask)).last_hidden_state
+    x = F.layer_norm(x, (d,), sd["0.post_layernorm.weight"], sd["0.post_layernorm.bias"],
+                     cfg.layer_norm_eps)
+    outs = [x[i, :h * w].view(h // r, r, w // r, r, d).permute(0, 2, 1, 3, 4).reshape(-1, r * r * d)
+            for i, (_, h, w) in enumerate(grid)]
+    return F.linear(F.silu(F.linear(torch.cat(outs), sd["1.weight"])), sd["3.weight"])
+
+
+def test_encoder_matches_transformers_siglip2_modules(model: IsaacModel) -> None:
+    images = [_photo(h, w, i) for i, (h, w) in enumerate([(20, 31), (333, 97), (120, 200)])]
+    d = model.processor(images=images, **SMALL)
+    grid = d["image_grid_thw"].tolist()
+    assert len({h * w for _, h, w in grid}) == 3  # unequal lengths: padding is masked
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode(**d),
+                                   _transformers_encode(model, d["pixel_values"], grid),
+                                   atol=ATOL, rtol=RTOL)
 
 
 def test_no_shuffle_when_r_is_one() -> None:
