@@ -222,7 +222,7 @@ def _patchify_into(out: np.ndarray, pixels: np.ndarray, patch: int) -> None:
 def _as_list(images: Any) -> list[Any]:
     if images is None:
         return []
-    if isinstance(images, list | tuple):
+    if isinstance(images, list | tuple) or (isinstance(images, np.ndarray) and images.ndim == 4):
         return list(images)
     return [images]
 
@@ -333,20 +333,23 @@ class VisionTransformer(nn.Module):
         returns ``[Σ h·w / r², hidden·r²]``."""
         r = self.cfg.pixel_shuffle_scale_factor
         shapes = list(dict.fromkeys(grid))  # distinct sizes, first-seen order
-        gathers = []
+        # Gather indices from host ints, uploaded together in one copy: the rows of the
+        # distinct-size position tables for each image (only when a size repeats: each size
+        # is interpolated once), and the pixel-shuffle order.
+        host: dict[str, np.ndarray] = {}
         if len(shapes) < len(grid):
-            # Repeated sizes: interpolate each distinct size once and gather its rows.
-            gathers.append(_position_index(grid, shapes))
+            host["positions"] = _position_index(grid, shapes)
         if r > 1:
-            gathers.append(_shuffle_index(grid, r))
-        if gathers:
-            index = upload(torch.from_numpy(np.concatenate(gathers)), pixels.device)
-            index = index.split([len(g) for g in gathers])
+            host["shuffle"] = _shuffle_index(grid, r)
+        index: dict[str, torch.Tensor] = {}
+        if host:
+            flat = upload(torch.from_numpy(np.concatenate(list(host.values()))), pixels.device)
+            index = dict(zip(host, flat.split([len(v) for v in host.values()]), strict=True))
         weight = self.embeddings.patch_embedding.weight
         x = self.embeddings.patch_embedding(pixels.to(weight.dtype))
         positions = self.embeddings.position_tables(shapes)
-        if len(shapes) < len(grid):
-            positions = positions.index_select(0, index[0])
+        if "positions" in index:
+            positions = positions.index_select(0, index["positions"])
         x = x + positions
         runs: list[tuple[int, int]] = []
         for h, w in grid:
@@ -359,7 +362,7 @@ class VisionTransformer(nn.Module):
         x = self.post_layernorm(x)
         if r > 1:
             # Each output row is one r×r neighbourhood's rows, side by side.
-            x = x.index_select(0, index[-1]).view(-1, x.shape[1] * r * r)
+            x = x.index_select(0, index["shuffle"]).view(-1, x.shape[1] * r * r)
         return x
 
 
