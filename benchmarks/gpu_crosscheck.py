@@ -5,9 +5,9 @@ For every example encoder (``mmferry.audit.examples``) and each of its cases:
 1. audit on the CPU: the predicted sync sites (``host_sync`` and ``implicit_h2d``
    findings, both synchronise the host with the device), mismatch sites and pageable
    ``non_blocking`` copies;
-2. run the same code on ``cuda`` with the fields placed as the case's specs say (device
-   fields copied pinned and asynchronously, ``both`` fields as ``Mirrored``), after one
-   warm-up call;
+2. run the same code on ``cuda`` with the fields placed as the case's specs say, through
+   ``mf.Transfer`` (one pinned asynchronous copy; ``both`` fields as ``Mirrored``) when the
+   inputs split into one batch, after one warm-up call;
 3. observe under ``torch.cuda.set_sync_debug_mode("warn")`` the Python line of every sync
    warning, the line where a device mismatch raised (a GPU run stops at the first), and
    the profiler's ``cudaStreamSynchronize`` / memcpy events (``Memcpy HtoD (Pageable ->
@@ -40,8 +40,11 @@ import torch
 from mmferry.audit import AuditReport, audit
 from mmferry.audit.examples import EXAMPLES, Case, Example
 from mmferry.audit.tracer import skipped_frame
-from mmferry.fields import Placement
-from mmferry.transfer import Mirrored
+from mmferry.batching import batch_items
+from mmferry.errors import MmferryError
+from mmferry.fields import FieldSpec, Placement
+from mmferry.items import Item, split_items
+from mmferry.transfer import Mirrored, Transfer
 
 
 def _site(filename: str, line: int) -> str:
@@ -100,10 +103,30 @@ def _place(value: Any, placement: Placement, device: torch.device) -> Any:
     return Mirrored(host=value, device=on_device) if placement is Placement.BOTH else on_device
 
 
+def _placed(inputs: dict[str, Any], case: Case, device: torch.device) -> tuple[dict[str, Any], str]:
+    """The inputs where the case's specs put them: through ``mf.Transfer`` (the path an engine
+    takes) when they split into one batch, else field by field. Names without a spec are
+    untracked device values, uploaded as they are."""
+    tracked = {k: v for k, v in inputs.items() if k in case.specs}
+    untracked = {k: _place(v, Placement.DEVICE, device) for k, v in inputs.items()
+                 if k not in case.specs}
+    try:
+        batches = batch_items(split_items(tracked, case.specs))
+    except MmferryError:
+        # Batch-level specs without split sizes: the inputs as one item whose fields are
+        # flat, which a one-item batch reduces to themselves.
+        modality = next(iter(case.specs.values())).modality
+        specs = {k: FieldSpec("flat", modality, case.specs[k].placement) for k in tracked}
+        batches = batch_items([Item(modality, tracked, specs)])
+    if len(batches) == 1:
+        return {**dict(Transfer(device).to_device(batches[0])), **untracked}, "Transfer"
+    placed = {k: _place(v, case.specs[k].placement, device) for k, v in tracked.items()}
+    return {**placed, **untracked}, "per field"
+
+
 def observe(fn: Any, inputs: dict[str, Any], case: Case, device: torch.device) -> dict[str, Any]:
     """Run ``fn`` on the GPU with the case's placements and record what happens."""
-    placed = {k: _place(v, case.specs[k].placement if k in case.specs else Placement.DEVICE,
-                        device) for k, v in inputs.items()}
+    placed, path = _placed(inputs, case, device)
     torch.cuda.synchronize()
     with contextlib.suppress(RuntimeError):  # mismatch cases fail here too
         fn(**placed)  # warm-up: allocator, kernels, lazy initialisation
@@ -134,12 +157,14 @@ def observe(fn: Any, inputs: dict[str, Any], case: Case, device: torch.device) -
             mismatch = _user_site(frames)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()
+    # Our own wait for the queued work is outside the profiled region, so every
+    # synchronisation the profiler counts is the encoder's.
+    torch.cuda.synchronize()
     events = Counter(e.name for e in prof.events()
-                     if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
-                     or e.name.startswith("Memcpy"))
+                     if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                   "cudaEventSynchronize") or e.name.startswith("Memcpy"))
     observed_syncs = sorted(s for s in syncs if not _deliberate(s, syncs))
-    return {"sync": observed_syncs, "mismatch": mismatch,
+    return {"sync": observed_syncs, "mismatch": mismatch, "placed by": path,
             "pageable": sum(n for name, n in events.items() if "Pageable -> Device" in name),
             "events": dict(events)}
 

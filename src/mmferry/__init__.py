@@ -22,7 +22,7 @@ from mmferry.errors import ArgumentError, ContractError, MediaError, MmferryErro
 from mmferry.fields import FieldSpec, Placement
 from mmferry.hashing import hash_media
 from mmferry.items import Item, Items, split_items
-from mmferry.transfer import DeviceBatch, Mirrored, Transfer
+from mmferry.transfer import DeviceBatch, Mirrored, Transfer, host_and_device
 
 __all__ = [
     "ArgumentError",
@@ -45,6 +45,7 @@ __all__ = [
     "audit",
     "batch_items",
     "hash_media",
+    "host_and_device",
     "merge_embeddings",
     "models",
     "scatter_output_slices",

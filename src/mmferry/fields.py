@@ -22,10 +22,13 @@ __all__ = [
     "FieldSpec",
     "Placement",
     "Reduction",
+    "check_batch_values",
+    "concatenable",
     "plan_copy",
     "plan_reduction",
     "reduce_field",
     "split_field",
+    "value_devices",
 ]
 
 
@@ -409,17 +412,30 @@ def plan_copy(value: Any) -> Reduction:
     )
 
 
-def _common_dtype(name: str, values: Sequence[torch.Tensor]) -> torch.dtype:
-    dtype = values[0].dtype
+def check_batch_values(name: str, values: Sequence[Any]) -> torch.dtype | None:
+    """The one check of a field's per-item values before they share a batch: no item without
+    data (``None``), and one dtype across the tensor values. Returns that dtype (``None``
+    without tensors). Batching calls it when it forms a batch, reductions when they run."""
+    dtype = None
+    first = 0
     for i, v in enumerate(values):
-        if v.dtype != dtype:
-            raise ContractError(
-                f"mixed dtypes in one batch: item 0 is {dtype}, item {i} is {v.dtype}", field=name
-            )
+        if v is None:
+            raise ContractError(f"item {i} of the batch has no data (None) and cannot be "
+                                "batched; fill cached items first", field=name)
+        if isinstance(v, torch.Tensor):
+            if dtype is None:
+                dtype, first = v.dtype, i
+            elif v.dtype != dtype:
+                raise ContractError(f"mixed dtypes in one batch: item {first} is {dtype}, "
+                                    f"item {i} is {v.dtype}", field=name)
     return dtype
 
 
-def _concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
+def _common_dtype(name: str, values: Sequence[torch.Tensor]) -> torch.dtype:
+    return check_batch_values(name, values) or values[0].dtype
+
+
+def concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
     """Same rank, ``dim`` in range, and every dimension but ``dim`` equal: a plain concat."""
     shape = values[0].shape
     return dim < len(shape) and all(
@@ -430,9 +446,7 @@ def _concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
 
 def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reduction:
     """Describe how ``values`` (one per item, in order) reduce into the batch value."""
-    for i, v in enumerate(values):
-        if v is None:
-            raise ContractError(f"item {i} has no data (None) and cannot be batched", field=name)
+    check_batch_values(name, values)
     if spec.kind == "shared":
         return plan_copy(values[0]) if values else plan_copy([])
     tensors = all(isinstance(v, torch.Tensor) for v in values)
@@ -463,7 +477,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
     if dim >= ndim:
         raise ContractError(f"dim {dim} is out of range for {ndim}-D items", field=name)
     total = sum(v.shape[dim] for v in values)
-    if _concatenable(values, dim):
+    if concatenable(values, dim):
         out_shape = torch.Size((*shape0[:dim], total, *shape0[dim + 1:]))
         return Reduction((out_shape,), (dtype,),
                          lambda outs: torch.cat(list(values), dim, out=outs[0]))
@@ -486,7 +500,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
 
 
 def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
-    """Reduce per-item values into the batch value, in fresh host memory.
+    """Reduce per-item values into the batch value, in fresh memory on the values' device.
 
     A single tensor item is not copied: batched gives a leading-1 view, flat the item itself
     (made contiguous), as vLLM does.
@@ -502,7 +516,19 @@ def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
         if spec.kind == "batched":
             if all(v.shape == shape for v in values):
                 return torch.stack(values)
-        elif _concatenable(values, spec.dim):
+        elif concatenable(values, spec.dim):
             return torch.cat(values, spec.dim)
     plan = plan_reduction(name, spec, values)
-    return plan.fill([torch.empty(s, dtype=d) for s, d in zip(plan.shapes, plan.dtypes, strict=True)])
+    leaves: list[torch.Tensor] = []
+    _tensor_leaves(list(values), leaves)
+    # Values already on a device are reduced there (no host round trip).
+    device = leaves[0].device if leaves else None
+    return plan.fill([torch.empty(s, dtype=d, device=device)
+                      for s, d in zip(plan.shapes, plan.dtypes, strict=True)])
+
+
+def value_devices(value: Any) -> set[torch.device]:
+    """The devices of every tensor in ``value`` (a tensor, a nested list, a plain value)."""
+    leaves: list[torch.Tensor] = []
+    _tensor_leaves(value, leaves)
+    return {t.device for t in leaves}

@@ -69,6 +69,12 @@ class Item(Mapping[str, Any]):
         return self._hash
 
     @property
+    def known_hash(self) -> str | None:
+        """The hash if it is already known (computed, or received over the wire), else
+        ``None``; never computes it."""
+        return self._hash
+
+    @property
     def nbytes(self) -> int:
         return sum(payload_nbytes(v) for v in self._data.values())
 

@@ -23,8 +23,15 @@ from typing import Any, Protocol
 import torch
 
 from mmferry.batching import Batch
-from mmferry.errors import ArgumentError
-from mmferry.fields import Placement, Reduction, plan_copy, plan_reduction
+from mmferry.errors import ArgumentError, ContractError
+from mmferry.fields import (
+    Placement,
+    Reduction,
+    plan_copy,
+    plan_reduction,
+    reduce_field,
+    value_devices,
+)
 
 __all__ = [
     "DeviceBatch",
@@ -33,6 +40,7 @@ __all__ = [
     "Transfer",
     "TransferStats",
     "host_and_device",
+    "parse_device",
     "upload",
 ]
 
@@ -135,6 +143,11 @@ class StagingPool:
         block = self._take(index)
         if block.buffer.numel() < nbytes:
             self.stats.staging_bytes -= block.buffer.numel()
+            block.buffer = torch.empty(0, dtype=torch.uint8)
+            if self.pin_memory:
+                # The outgrown block's copy has completed; without this PyTorch's caching
+                # host allocator would keep it pinned for the life of the process.
+                torch._C._host_emptyCache()
             block = self._new(nbytes)
         return block
 
@@ -158,19 +171,23 @@ class DeviceBatch(Mapping[str, Any]):
     """A batch where its contract says: host fields as they were, device fields as views into
     one device block, both fields as :class:`Mirrored`.
 
-    ``ready()`` tells whether the copy has completed (the encoder need not wait: it runs on the
-    same stream); ``synchronize()`` blocks until it has.
+    The copy runs on the device's current stream at :meth:`Transfer.to_device` time, so an
+    encoder on that stream reads the block in order and needs no wait. A consumer on another
+    stream calls :meth:`wait` first. ``ready()`` tells whether the copy has completed;
+    ``synchronize()`` blocks the host until it has.
     """
 
-    __slots__ = ("_data", "event", "modality", "nbytes", "num_items", "specs")
+    __slots__ = ("_data", "block", "event", "modality", "nbytes", "num_items", "specs")
 
-    def __init__(self, batch: Batch, data: dict[str, Any], event: Event | None, nbytes: int) -> None:
+    def __init__(self, batch: Batch, data: dict[str, Any], event: Event | None, nbytes: int,
+                 block: torch.Tensor | None = None) -> None:
         self.modality = batch.modality
         self.num_items = batch.num_items
         self.specs = batch.specs
         self._data = data
         self.event = event
         self.nbytes = nbytes
+        self.block = block  # the device block every copied field is a view of
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -187,6 +204,18 @@ class DeviceBatch(Mapping[str, Any]):
     def synchronize(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the device's current stream) wait for the copy, without
+        blocking the host, and record the device block as in use by that stream, so the
+        caching allocator does not hand the block to anyone else while that stream may still
+        read it. Call it before reading the batch on a stream other than the copy's."""
+        if self.event is None or self.block is None:
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self.block.device)
+        stream.wait_event(self.event)
+        self.block.record_stream(stream)
 
     def __repr__(self) -> str:
         return f"DeviceBatch({self.modality!r}, num_items={self.num_items}, fields={list(self)})"
@@ -212,6 +241,45 @@ def _swap(value: Any, mapping: dict[int, torch.Tensor]) -> Any:
     return value
 
 
+def parse_device(device: torch.device | str, *, argument: str = "device",
+                 types: tuple[str, ...] = ("cuda", "cpu", "meta"),
+                 simulated: bool = False) -> torch.device:
+    """The one validation of a device argument (library, CLI, servers and audit alike).
+
+    ``device`` must be a ``torch.device`` or a string torch parses, of one of ``types``. A
+    real CUDA device must exist on this machine (its index below the device count; no
+    index means the current device). ``simulated=True`` (the audit's device) accepts any
+    accelerator type, none of which needs to exist, and no index means index 0.
+
+    Raises:
+        ArgumentError: naming ``argument``.
+    """
+    if not isinstance(device, torch.device | str) or isinstance(device, bool):
+        raise ArgumentError(f"expected a device string such as 'cuda' or 'cpu', got "
+                            f"{type(device).__name__}", argument=argument)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ArgumentError(f"not a device: {device!r} ({e})", argument=argument) from None
+    if simulated:
+        if dev.type in ("cpu", "meta"):
+            raise ArgumentError(f"the simulated device must be an accelerator, got {dev.type!r}",
+                                argument=argument)
+        return torch.device(dev.type, 0 if dev.index is None else dev.index)
+    if dev.type not in types:
+        raise ArgumentError(f"unsupported device {device!r}; expected {', '.join(types)}",
+                            argument=argument)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgumentError("CUDA is not available on this machine", argument=argument)
+        if dev.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ArgumentError(f"{dev} does not exist; this machine has "
+                                f"{torch.cuda.device_count()} CUDA device(s)", argument=argument)
+    return dev
+
+
 class Transfer:
     """Moves batches to ``device`` with one coalesced copy each; see the module docstring.
 
@@ -219,16 +287,11 @@ class Transfer:
     """
 
     def __init__(self, device: torch.device | str, *, max_staging_blocks: int = 4) -> None:
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "meta", "cuda"):
-            raise ArgumentError(
-                f"unsupported device {self.device}; expected cuda, cpu or meta", argument="device"
-            )
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ArgumentError("CUDA is not available on this machine", argument="device")
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = parse_device(device)
+        if (not isinstance(max_staging_blocks, int) or isinstance(max_staging_blocks, bool)
+                or max_staging_blocks < 1):
+            raise ArgumentError(f"must be a positive int, got {max_staging_blocks!r}",
+                                argument="max_staging_blocks")
         self._stats = TransferStats()
         self._copies = self.device.type == "cuda"
         self._pool = StagingPool(
@@ -245,21 +308,42 @@ class Transfer:
         return self._stats
 
     def to_device(self, batch: Batch) -> DeviceBatch:
-        """Place every field of ``batch`` where its spec says."""
+        """Place every field of ``batch`` where its spec says.
+
+        Device fields whose item values already live on the target device are reduced there
+        (no host round trip, no copy); host values travel in the one staging copy. Values on
+        any other device, or a host or both field whose value is not on the host, are a
+        :class:`~mmferry.errors.ContractError` naming the field.
+        """
+        # An encoder input never needs autograd through the packing, and `out=` reductions
+        # refuse tensors that require grad.
+        with torch.no_grad():
+            return self._to_device(batch)
+
+    def _to_device(self, batch: Batch) -> DeviceBatch:
         data: dict[str, Any] = {}
         names: list[str] = []
         plans: list[Reduction] = []
         hosts: dict[str, Any] = {}
         for name, spec in batch.specs.items():
+            if spec.placement is Placement.DEVICE:
+                values = batch.values(name)
+                where = value_devices(values)
+                if where == {self.device} and self.device.type != "cpu":
+                    data[name] = reduce_field(name, spec, values)
+                    continue
+                self._check_host(name, where, "its item values")
+                names.append(name)
+                plans.append(plan_reduction(name, spec, values))
+                continue
+            value = batch.reduced(name)
+            self._check_host(name, value_devices(value), f"a {spec.placement.value} field")
             if spec.placement is Placement.HOST:
-                data[name] = batch.reduced(name)
-            elif spec.placement is Placement.BOTH:
-                hosts[name] = batch.reduced(name)
-                names.append(name)
-                plans.append(plan_copy(hosts[name]))
+                data[name] = value
             else:
+                hosts[name] = value
                 names.append(name)
-                plans.append(plan_reduction(name, spec, batch.values(name)))
+                plans.append(plan_copy(value))
 
         offsets, total = [], 0
         for plan in plans:
@@ -276,38 +360,66 @@ class Transfer:
                 data[name] = Mirrored(hosts[name], value) if name in hosts else value
             return DeviceBatch(batch, data, None, total)
 
-        staging = self._pool.acquire(total)
-        event: Event | None = None
-        try:
-            host_views = _views(staging.buffer, offsets, plans)
-            packed = [plan.fill(views) for plan, views in zip(plans, host_views, strict=True)]
-            # The copy and its event go on the destination device's current stream, which is
-            # also where the encoder will read the block.
-            with torch.cuda.device(self.device) if self._copies else nullcontext():
+        # Everything CUDA, the first pinned allocation included, happens with the destination
+        # device current, so no context is created on another GPU.
+        with torch.cuda.device(self.device) if self._copies else nullcontext():
+            staging = self._pool.acquire(total)
+            event: Event | None = None
+            try:
+                host_views = _views(staging.buffer, offsets, plans)
+                packed = [plan.fill(views) for plan, views in zip(plans, host_views, strict=True)]
+                # The copy and its event go on the destination device's current stream, which
+                # is also where the encoder will read the block.
                 device_block = torch.empty(total, dtype=torch.uint8, device=self.device)
                 if total:
                     device_block.copy_(staging.buffer[:total], non_blocking=True)
                     self._stats.copies += 1
                     self._stats.bytes += total
                 if self._copies:
-                    event = torch.cuda.Event()
+                    # A blocking-sync event: a full pool waiting on it yields the CPU
+                    # instead of spinning.
+                    event = torch.cuda.Event(blocking=True)
                     event.record(torch.cuda.current_stream(self.device))
-        finally:
-            self._pool.release(staging, event)
+            finally:
+                self._pool.release(staging, event)
         device_views = _views(device_block, offsets, plans)
         for name, value, hviews, dviews in zip(names, packed, host_views, device_views, strict=True):
             moved = _swap(value, {id(h): d for h, d in zip(hviews, dviews, strict=True)})
             data[name] = Mirrored(hosts[name], moved) if name in hosts else moved
-        return DeviceBatch(batch, data, event, total)
+        return DeviceBatch(batch, data, event, total, device_block)
+
+    def _check_host(self, name: str, where: set[torch.device], what: str) -> None:
+        off_host = sorted(str(d) for d in where if d.type != "cpu")
+        if off_host:
+            raise ContractError(
+                f"{what} on {', '.join(off_host)}: the transfer to {self.device} takes host "
+                "values (or device values already on its own device, for device fields)",
+                field=name)
 
 
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor (model-derived metadata: ``cu_seqlens``, position ids) to
-    ``device`` without blocking the host: pinned first on CUDA, then one non-blocking copy.
-    The pinned copy comes from PyTorch's caching host allocator, which keeps it until the
-    copy has completed."""
-    if t.device == device:
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current)
+
+
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a small tensor (model-derived metadata: ``cu_seqlens``, position ids) to
+    ``device`` without blocking the host.
+
+    A host tensor is copied once into pinned, dense memory (from PyTorch's caching host
+    allocator, which keeps it until the copy has completed; a non-dense source would make the
+    driver stage it through pageable memory and block), then copied with ``non_blocking``. A
+    tensor already on ``device`` (``cuda`` and ``cuda:N`` for the current N are the same) is
+    returned as it is; one on another device is copied device to device."""
+    device = torch.device(device)
+    if _same_device(t.device, device):
         return t
-    if device.type == "cuda":
-        t = t.pin_memory()
+    if t.device.type == "cpu" and device.type == "cuda":
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        t = pinned.copy_(t)
     return t.to(device, non_blocking=True)

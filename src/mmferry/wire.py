@@ -195,7 +195,7 @@ def encode(items: Items | Sequence[Item]) -> list[bytes | memoryview]:
                 values.append(ref)
             else:
                 values.append(_put(name, value, tensors, 0))
-        rows.append(_Item(layout, values, *_hash_out(item._hash)))
+        rows.append(_Item(layout, values, *_hash_out(item.known_hash)))
     if len(rows) > MAX_ITEMS or len(shared_tensors) + len(tensors) > MAX_TENSORS:
         raise ContractError(f"{len(rows)} items with {len(shared_tensors) + len(tensors)} "
                             f"tensors exceed one message ({MAX_ITEMS} items, {MAX_TENSORS} tensors)")

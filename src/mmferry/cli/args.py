@@ -50,15 +50,9 @@ def check_weights(path: str | Path | None) -> Path | None:
 
 
 def check_device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ArgumentError(f"not a device: {device!r}", argument="--device") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ArgumentError("CUDA is not available on this machine", argument="--device")
-    if dev.type not in ("cpu", "cuda"):
-        raise ArgumentError(f"unsupported device {device!r}; use cpu or cuda", argument="--device")
-    return dev
+    from mmferry.transfer import parse_device
+
+    return parse_device(device, argument="--device", types=("cpu", "cuda"))
 
 
 def check_out(path: str | None, *, suffix: str = ".safetensors") -> Path | None:

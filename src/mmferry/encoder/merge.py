@@ -48,9 +48,12 @@ def merge_embeddings(
     """Write ``mm_embeds`` (rows in placeholder order) into ``inputs_embeds`` where
     ``is_mm_token`` is true, in place, and return ``inputs_embeds``.
 
-    With a host mask the placeholder count is checked on the host (free) and a mismatch is a
-    :class:`ContractError`; the mask is then uploaded without blocking. A device mask is used
-    as it is: counting it would cost a sync, so only the row count is checked.
+    ``is_mm_token`` is a host bool tensor (an engine builds it from the token ids it holds on
+    the host). The placeholder positions are found on the host, where a count that differs
+    from the rows is a :class:`ContractError`; the positions go up in one non-blocking copy
+    and the rows are written with one ``index_put_``, with no temporaries of the embeddings'
+    size. A device mask is refused: counting it would cost a sync, and a wrong count would
+    become a device-side assert that kills the CUDA context.
     """
     rows = mm_embeds if isinstance(mm_embeds, torch.Tensor) else (
         torch.cat(list(mm_embeds)) if len(mm_embeds) else inputs_embeds.new_empty(
@@ -68,16 +71,17 @@ def merge_embeddings(
         )
     if is_mm_token.dtype != torch.bool:
         raise ContractError(f"is_mm_token must be bool, got {is_mm_token.dtype}")
-    if is_mm_token.device.type == "cpu":
-        expected = int(is_mm_token.sum())
-        if expected != rows.shape[0]:
-            raise ContractError(
-                f"{expected} placeholder tokens but {rows.shape[0]} multimodal embedding rows"
-            )
-        is_mm_token = upload(is_mm_token, inputs_embeds.device)
-    elif rows.shape[0] > is_mm_token.numel():
+    if is_mm_token.device.type != "cpu":
         raise ContractError(
-            f"{rows.shape[0]} multimodal embedding rows for {is_mm_token.numel()} tokens"
+            f"is_mm_token must be a host tensor, got one on {is_mm_token.device}: counting a "
+            "device mask costs a sync, and a wrong count is a device-side assert")
+    positions = is_mm_token.nonzero()  # [placeholders, mask dims], host work only
+    if positions.shape[0] != rows.shape[0]:
+        raise ContractError(
+            f"{positions.shape[0]} placeholder tokens but {rows.shape[0]} multimodal embedding rows"
         )
-    mask = is_mm_token.unsqueeze(-1).expand_as(inputs_embeds)
-    return inputs_embeds.masked_scatter_(mask, rows.to(inputs_embeds.dtype))
+    if rows.device != inputs_embeds.device:
+        raise ContractError(f"multimodal embeddings on {rows.device}, inputs_embeds on "
+                            f"{inputs_embeds.device}")
+    index = upload(positions, inputs_embeds.device).unbind(1)
+    return inputs_embeds.index_put_(index, rows.to(inputs_embeds.dtype))

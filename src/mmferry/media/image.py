@@ -1,4 +1,4 @@
-"""Decode one image, or the frames of one video, into RGB PIL images, with limits.
+"""Decode one image into an RGB PIL image, with limits.
 
 Sources are encoded bytes, a file path, a PIL image or a uint8 array (``H×W`` or ``H×W×C``
 with 1, 3 or 4 channels). Anything that cannot be decoded or breaks a limit raises
@@ -10,15 +10,15 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from mmferry.errors import MediaError
+from mmferry.files import FileRefused, read_regular
 
-__all__ = ["MAX_PIXELS", "ImageSource", "load_image", "load_images", "load_video", "source_name"]
+__all__ = ["MAX_PIXELS", "ImageSource", "load_image", "load_images", "source_name"]
 
 # Pillow's own default: it warns above this and refuses twice this. We refuse anything above
 # it from the header alone, before a pixel is decoded.
@@ -26,11 +26,19 @@ MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
 ImageSource = bytes | bytearray | memoryview | str | os.PathLike | Image.Image | np.ndarray
 
-# What Pillow raises on corrupt, truncated or unsupported data (struct/Index errors come from
-# plugins reading short headers).
-_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError,
-                  Image.DecompressionBombError)
+# What Pillow raises on corrupt, truncated or unsupported data is open-ended: besides
+# OSError / SyntaxError / ValueError its plugins raise NotImplementedError (DDS, PSD),
+# OverflowError, struct.error, ZeroDivisionError, KeyError, IndexError, MemoryError and more
+# (see tests/test_media_fuzz.py). Any exception from decoding untrusted bytes is the media's
+# fault, so each becomes a MediaError naming the source.
+_DECODE_ERRORS = (Exception,)
 _EXIF_ORIENTATION = 0x0112
+
+
+def max_file_bytes(max_pixels: int = MAX_PIXELS) -> int:
+    """The largest image file read: uncompressed 4-byte pixels at the pixel limit, plus
+    room for headers and metadata; anything bigger cannot be an image within the limit."""
+    return 4 * max_pixels + (16 << 20)
 
 
 def source_name(source: Any, index: int | None = None) -> str:
@@ -86,7 +94,8 @@ def _open(data: bytes | bytearray | memoryview, name: str, max_pixels: int) -> I
     except Image.UnidentifiedImageError:
         raise MediaError("cannot identify an image format", source=name) from None
     except _DECODE_ERRORS as e:
-        raise MediaError(f"cannot identify an image ({e})", source=name) from None
+        raise MediaError(f"cannot identify an image ({type(e).__name__}: {e})",
+                         source=name) from None
     # The header gives the size; refuse before decoding a single pixel.
     _check_size(img.width, img.height, max_pixels, name)
     try:
@@ -94,8 +103,8 @@ def _open(data: bytes | bytearray | memoryview, name: str, max_pixels: int) -> I
         if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:
             img = ImageOps.exif_transpose(img)
     except _DECODE_ERRORS as e:
-        raise MediaError(f"cannot decode the image ({e}); is the file truncated?",
-                         source=name) from None
+        raise MediaError(f"cannot decode the image ({type(e).__name__}: {e}); is the file "
+                         "truncated or corrupt?", source=name) from None
     return img
 
 
@@ -112,12 +121,11 @@ def _load(source: Any, name: str, max_pixels: int) -> Image.Image:
     elif isinstance(source, str | os.PathLike):
         try:
             # Read whole: the compressed bytes are small next to the pixels, and no file
-            # handle outlives the call (Pillow keeps multi-frame files open).
-            data = Path(source).read_bytes()
-        except FileNotFoundError:
-            raise MediaError("no such file", source=name) from None
-        except OSError as e:
-            raise MediaError(f"cannot read the file ({e.strerror or e})", source=name) from None
+            # handle outlives the call (Pillow keeps multi-frame files open). Only regular
+            # files, size-checked first: a FIFO or a device must not block or stream forever.
+            data = read_regular(source, max_file_bytes(max_pixels))
+        except FileRefused as e:
+            raise MediaError(e.reason, source=name) from None
         img = _open(data, name, max_pixels)
     else:
         raise MediaError(
@@ -128,7 +136,8 @@ def _load(source: Any, name: str, max_pixels: int) -> Image.Image:
     try:
         return _to_rgb(img)
     except _DECODE_ERRORS as e:
-        raise MediaError(f"cannot convert the image to RGB ({e})", source=name) from None
+        raise MediaError(f"cannot convert the image to RGB ({type(e).__name__}: {e})",
+                         source=name) from None
 
 
 def load_image(source: ImageSource, *, index: int | None = None,
@@ -150,34 +159,3 @@ def load_images(sources: Sequence[ImageSource], *,
                 max_pixels: int = MAX_PIXELS) -> list[Image.Image]:
     """:func:`load_image` for each source; errors name the file or ``item N`` (its index)."""
     return [load_image(s, index=i, max_pixels=max_pixels) for i, s in enumerate(sources)]
-
-
-def load_video(frames: Sequence[ImageSource] | np.ndarray, *, index: int | None = None,
-               max_pixels: int = MAX_PIXELS) -> list[Image.Image]:
-    """Decode a video given as its frames (a sequence of image sources, or a ``T×H×W[×C]``
-    uint8 array) into RGB PIL images of one size. ``max_pixels`` limits each frame.
-
-    Raises:
-        MediaError: a frame fails :func:`load_image`, there are no frames, or frame sizes differ.
-    """
-    name = source_name(frames, index)
-    if isinstance(frames, np.ndarray):
-        if frames.ndim not in (3, 4):
-            raise MediaError(f"a video array must be TxHxW or TxHxWxC, got shape {frames.shape}",
-                             source=name)
-        frames = list(frames)
-    if isinstance(frames, str | os.PathLike | bytes | bytearray | memoryview | Image.Image):
-        raise MediaError("a video must be given as a sequence of frames", source=name)
-    if len(frames) == 0:
-        raise MediaError("a video needs at least one frame", source=name)
-    out = []
-    for t, frame in enumerate(frames):
-        where = os.fspath(frame) if isinstance(frame, str | os.PathLike) else f"{name}, frame {t}"
-        out.append(_load(frame, where, max_pixels))
-        if out[-1].size != out[0].size:
-            raise MediaError(
-                f"frame {t} is {out[-1].width}x{out[-1].height} but frame 0 is "
-                f"{out[0].width}x{out[0].height}; frames of one video must share a size",
-                source=name,
-            )
-    return out
