@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from encoder_refs.isaac import photo, vllm_context, vllm_reference
+from encoder_refs.isaac import vllm_context, vllm_reference
 
 import mmferry.models as models
+from mmferry.media.samples import photo_like
 
 ATOL = 1e-4
 
@@ -80,7 +81,7 @@ def main() -> int:
         vision = config["vision_config"]
         r, patch = vision["pixel_shuffle_scale_factor"], vision["patch_size"]
         for bounds in BOUNDS:
-            pil = [Image.fromarray(photo(h, w, i)) for i, (h, w) in enumerate(IMAGES)]
+            pil = [Image.fromarray(photo_like(h, w, seed=i)) for i, (h, w) in enumerate(IMAGES)]
             processor = IsaacImageProcessor(
                 patch_size=patch, vision_max_num_patches=bounds["max_num_patches"],
                 vision_min_num_patches=bounds["min_num_patches"], pixel_shuffle_scale=r)

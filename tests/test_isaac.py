@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 import mmferry as mf
 import mmferry.models as models
 from mmferry.errors import ArgumentError, CheckpointError, ContractError, MediaError
+from mmferry.media.samples import photo_like as _photo
 from mmferry.models.isaac import IsaacModel, target_size
 
 # Small widths; the real patch size 16 and a 16×16 learned position grid, so the grid is
@@ -47,14 +48,6 @@ SMALL = dict(max_num_patches=256, min_num_patches=64)
 # magnitude ~14; a wrong position
 # interpolation, shuffle order or activation moves them by 1e-2 or more.
 ATOL, RTOL = 1e-4, 1e-5
-
-
-def _photo(h: int, w: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    img = np.stack([255 * x / max(w - 1, 1), 255 * y / max(h - 1, 1),
-                    128 + 100 * np.sin((x + y) / 9)], axis=-1) + rng.normal(0, 12, (h, w, 3))
-    return np.clip(img, 0, 255).astype(np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +139,16 @@ def test_processor_takes_every_source_kind_and_refuses_bad_input(model: IsaacMod
     with pytest.raises(ArgumentError) as e:
         model.processor(videos=[[img]])
     assert e.value.argument == "videos"
-    with pytest.raises(ArgumentError) as e:
-        model.processor(images=img, max_num_patches=0)
-    assert e.value.argument == "max_num_patches"
+    # Bounds are checked before any media is read: a minimum that would blow a small image
+    # up past the reference's 60-megapixel input ceiling is refused.
+    for option, value in (("max_num_patches", 0), ("min_num_patches", 60_000_000 // 256 + 1),
+                          ("min_num_patches", 2.5)):
+        with pytest.raises(ArgumentError) as e:
+            model.processor(images=b"never read", **{option: value})
+        assert e.value.argument == option
+    h, w = target_size(50, 70, 16, 2, 16, 4)
+    assert model.processor(images=img, min_num_patches=4, max_num_patches=16)[
+        "image_grid_thw"].tolist() == [[1, h // 16, w // 16]]
     with pytest.raises(MediaError) as e:
         model.processor(images=[img, b"not an image"])
     assert e.value.source == "item 1"
@@ -389,28 +389,33 @@ def test_preprocessor_config_sets_the_bounds(model: IsaacModel, tmp_path: Path) 
     assert [list(g) for g in grid.tolist()] == [
         [1, h // 16, w // 16] for h, w in (target_size(900, 700, 16, 2, 100, 40),
                                           target_size(20, 31, 16, 2, 100, 40))]
-    (folder / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14}))
-    with pytest.raises(ArgumentError) as e:
-        mf.models.load("isaac", weights=folder, materialize=False)
-    assert e.value.argument == "preprocessor_config.patch_size"
+    for bad, key in (({"patch_size": 14}, "patch_size"),
+                     ({"min_num_patches": 10**9}, "min_num_patches"),
+                     ({"max_num_patches": "many"}, "max_num_patches")):
+        (folder / "preprocessor_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ArgumentError, match=key) as e:
+            mf.models.load("isaac", weights=folder, materialize=False)
+        assert e.value.argument == "config"
 
 
 def test_bad_configs_name_the_key(tmp_path: Path) -> None:
     for config, key in (
-        ({"vision_config": VISION}, "config.hidden_size"),
-        ({**CONFIG, "vision_config": {**VISION, "num_patches": 200}},
-         "config.vision_config.num_patches"),
+        ({"vision_config": VISION}, "hidden_size"),
+        ({**CONFIG, "hidden_size": True}, "hidden_size"),
+        ({**CONFIG, "vision_config": [1]}, "vision_config"),
+        ({**CONFIG, "vision_config": {**VISION, "num_patches": 200}}, "vision_config.num_patches"),
         ({**CONFIG, "vision_config": {**VISION, "num_attention_heads": 5}},
-         "config.vision_config.num_attention_heads"),
+         "vision_config.hidden_size"),
         ({**CONFIG, "vision_config": {**VISION, "hidden_act": "relu6"}},
-         "config.vision_config.hidden_act"),
-        ({**CONFIG, "vision_config": {**VISION, "patch_size": "16"}},
-         "config.vision_config.patch_size"),
-        ({**CONFIG, "model_type": "qwen2_vl"}, "config"),
+         "vision_config.hidden_act"),
+        ({**CONFIG, "vision_config": {**VISION, "patch_size": "16"}}, "vision_config.patch_size"),
+        ({**CONFIG, "vision_config": {**VISION, "layer_norm_eps": -1}},
+         "vision_config.layer_norm_eps"),
+        ({**CONFIG, "model_type": "qwen2_vl"}, "model_type"),
     ):
-        with pytest.raises(ArgumentError) as e:
+        with pytest.raises(ArgumentError, match=key) as e:
             models.load("isaac", config=config)
-        assert e.value.argument == key
+        assert e.value.argument == "config"
     # Text width from text_config when the top level has none.
     m = models.load("isaac", config={"text_config": {"hidden_size": 24}, "vision_config": VISION},
                     materialize=False)

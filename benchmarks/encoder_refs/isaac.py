@@ -9,8 +9,8 @@ it.
 
 Width: Isaac-0.1's published encoder (SigLIP2-so400m/16: 1152 wide, 16 heads, MLP 4304,
 16×16 position grid, pixel shuffle 2) into a 2048-wide language model; depth cut to
-``depth``. Inputs: three photo-like images (gradients, shapes, mild noise) of different
-aspect ratios through our processor at up to 768 patches each.
+``depth``. Inputs: three photo-like images (``mmferry.media.samples.photo_like``) of
+different aspect ratios through our processor at up to 768 patches each.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 
-import numpy as np
 import torch
+
+import mmferry as mf
+from mmferry.media import samples
 
 NAME = "isaac"
 REFERENCE = "vLLM 0.33 IsaacVisionEmbedding (CPU, torch SDPA over cu_seqlens)"
@@ -42,7 +44,7 @@ def vllm_context() -> None:
         from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
     except ImportError as e:
-        raise ImportError(f"reference unavailable: vLLM is not installed here ({e}); run "
+        raise ImportError(f"vLLM is not installed here ({e}); run "
                           "with /work/venv-vllm/bin/python") from e
     if _READY:
         return
@@ -72,45 +74,30 @@ def vllm_reference(config: dict, state: dict[str, torch.Tensor]) -> torch.nn.Mod
     loaded = ref.transformer.load_weights(tower)
     if len(loaded) != sum(1 for _ in ref.transformer.parameters()):
         raise RuntimeError(f"vLLM loaded {len(loaded)} of its tower's parameters")
-    with torch.no_grad():
+    with torch.inference_mode():
         ref.linear_fc1.weight.copy_(state["vision_embedding.1.weight"])
         ref.linear_fc2.weight.copy_(state["vision_embedding.3.weight"])
     return ref.requires_grad_(False)
 
 
-def photo(h: int, w: int, seed: int) -> np.ndarray:
-    """A photo-like uint8 RGB image: smooth gradients, a few filled shapes, mild noise."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    img = np.stack([200 * x / w + 30, 180 * y / h + 40, 120 + 60 * np.sin(x / 40 + y / 70)], -1)
-    for _ in range(6):
-        cy, cx, rad = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(0.05, 0.2) * min(h, w)
-        img[(y - cy) ** 2 + (x - cx) ** 2 < rad ** 2] = rng.uniform(0, 255, 3)
-        top, left = int(rng.uniform(0, h * 0.8)), int(rng.uniform(0, w * 0.8))
-        img[top:top + h // 8, left:left + w // 6] = rng.uniform(0, 255, 3)
-    img += rng.normal(0, 4, img.shape)
-    return np.clip(img, 0, 255).astype(np.uint8)
-
-
 def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
     """(ours, reference) at the published width with ``depth`` layers, on the same weights."""
-    import mmferry.models as models
-
     vllm_context()  # fail early, before building anything, when vLLM is absent
     config = {**PUBLISHED, "vision_config": {**PUBLISHED["vision_config"],
                                              "num_hidden_layers": depth}}
-    ours = models.load("isaac", config=config)
+    ours = mf.models.load(NAME, config=config)
     ref = vllm_reference(config, ours.state_dict())
-    batch = ours.processor(images=[photo(h, w, i) for i, (h, w) in enumerate(IMAGES)], **BOUNDS)
+    images = [samples.photo_like(h, w, seed=i) for i, (h, w) in enumerate(IMAGES)]
+    batch = ours.processor(images=images, **BOUNDS)
     pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
 
     def run_ours() -> torch.Tensor:
-        with torch.no_grad():
+        with torch.inference_mode():
             return ours.encode(pixel_values=pixels, image_grid_thw=grid)
 
     def run_reference() -> torch.Tensor:
         # As vLLM's _process_image_input feeds it (on the CPU the pinned staging is a no-op).
-        with torch.no_grad():
+        with torch.inference_mode():
             spatial = grid[:, 1:3].to(torch.int32)
             return ref((pixels.to(ref.linear_fc1.weight.dtype), spatial))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
@@ -40,10 +40,11 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image
-from mmferry.models.checkpoint import read_json
+from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import host_and_device, upload
 
-__all__ = ["TINY", "IsaacModel", "ProcessorConfig", "VisionConfig", "target_size"]
+__all__ = ["TINY", "IsaacModel", "ProcessorConfig", "VisionConfig", "check_patch_bounds",
+           "target_size"]
 
 # The reference refuses images above 60 megapixels before resizing.
 MAX_PIXELS = 60_000_000
@@ -78,36 +79,26 @@ class VisionConfig:
             raise ArgumentError(f"config is for model_type {model_type!r}, not 'isaac'",
                                 argument="config")
         vision = config.get("vision_config") or {}
-        if not isinstance(vision, Mapping):
-            raise ArgumentError(f"vision_config must be a mapping, got {type(vision).__name__}",
-                                argument="config.vision_config")
         text = config.get("text_config") or {}
-        text_hidden = config.get("hidden_size", text.get("hidden_size") if isinstance(
-            text, Mapping) else None)
-        if text_hidden is None:
-            raise ArgumentError("no hidden_size (the language model's width) at the top level "
-                                "or in text_config", argument="config.hidden_size")
-        names = {f.name for f in fields(cls)} - {"text_hidden_size"}
-        out = cls(**{k: v for k, v in vision.items() if k in names},
-                  text_hidden_size=text_hidden)
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_channels", "patch_size", "num_patches",
-                     "pixel_shuffle_scale_factor", "text_hidden_size"):
-            value = getattr(out, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                where = "hidden_size" if name == "text_hidden_size" else f"vision_config.{name}"
-                raise ArgumentError(f"must be a positive int, got {value!r}",
-                                    argument=f"config.{where}")
+        for key, value in (("vision_config", vision), ("text_config", text)):
+            if not isinstance(value, Mapping):
+                raise ArgumentError(f"{key} must be an object, got {value!r}", argument="config")
+        width = config.get("hidden_size", text.get("hidden_size"))
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ArgumentError("hidden_size (the language model's width, at the top level or "
+                                f"in text_config) must be a positive integer, got {width!r}",
+                                argument="config")
+        values = {k: v for k, v in vision.items() if k != "text_hidden_size"}
+        out = cls(**config_values(cls, values, "vision_config"), text_hidden_size=width)
         if out.hidden_size % out.num_attention_heads:
-            raise ArgumentError(f"hidden_size {out.hidden_size} does not split into "
-                                f"{out.num_attention_heads} heads",
-                                argument="config.vision_config.num_attention_heads")
+            raise ArgumentError(f"vision_config.hidden_size {out.hidden_size} does not split "
+                                f"into {out.num_attention_heads} heads", argument="config")
         if math.isqrt(out.num_patches) ** 2 != out.num_patches:
-            raise ArgumentError(f"num_patches {out.num_patches} is not a square (the position "
-                                "grid is side × side)", argument="config.vision_config.num_patches")
+            raise ArgumentError(f"vision_config.num_patches {out.num_patches} is not a square "
+                                "(the position grid is side × side)", argument="config")
         if out.hidden_act not in _ACTIVATIONS:
-            raise ArgumentError(f"unsupported hidden_act {out.hidden_act!r}; supported: "
-                                f"{sorted(_ACTIVATIONS)}", argument="config.vision_config.hidden_act")
+            raise ArgumentError(f"vision_config.hidden_act {out.hidden_act!r} is not one of "
+                                f"{sorted(_ACTIVATIONS)}", argument="config")
         return out
 
 
@@ -132,22 +123,34 @@ class ProcessorConfig:
         for key, want in (("patch_size", vision.patch_size),
                           ("pixel_shuffle_scale", vision.pixel_shuffle_scale_factor)):
             if key in config and config[key] != want:
-                raise ArgumentError(f"{config[key]!r} disagrees with the encoder's {want}",
-                                    argument=f"preprocessor_config.{key}")
+                raise ArgumentError(f"preprocessor_config {key} {config[key]!r} disagrees with "
+                                    f"the encoder's {want}", argument="config")
         out = cls()
         max_n = config.get("max_num_patches", config.get("vision_max_num_patches",
                                                          out.max_num_patches))
         min_n = config.get("min_num_patches", config.get("vision_min_num_patches",
                                                          out.min_num_patches))
-        return replace(out, max_num_patches=_check_bound("max_num_patches", max_n),
-                       min_num_patches=None if min_n is None else _check_bound(
-                           "min_num_patches", min_n))
+        check_patch_bounds(max_n, min_n, vision.patch_size, argument="config")
+        return replace(out, max_num_patches=max_n, min_num_patches=min_n)
 
 
-def _check_bound(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ArgumentError(f"must be a positive int, got {value!r}", argument=name)
-    return value
+def check_patch_bounds(max_num_patches: Any, min_num_patches: Any, patch: int, *,
+                       argument: str) -> None:
+    """``max_num_patches`` and ``min_num_patches`` (or ``None``) as ints in ``[1, cap]``,
+    ``cap`` the reference's 60-megapixel input ceiling in ``patch × patch`` patches: a larger
+    minimum would blow a small image up beyond any image the reference accepts.
+
+    Raises:
+        ArgumentError: naming the option (``argument="options"``), else ``argument``.
+    """
+    cap = MAX_PIXELS // patch ** 2
+    for name, value in (("max_num_patches", max_num_patches),
+                        ("min_num_patches", min_num_patches)):
+        if value is None and name == "min_num_patches":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= cap:
+            raise ArgumentError(f"{name} must be an int in [1, {cap}], got {value!r}",
+                                argument=name if argument == "options" else argument)
 
 
 def target_size(height: int, width: int, patch: int, scale: int, max_num_patches: int,
@@ -478,7 +481,8 @@ class IsaacModel(nn.Module):
         Raises:
             MediaError: a source cannot be decoded or has more than 60 megapixels; it names
                 the file or ``item N``.
-            ArgumentError: videos or audio, or another option.
+            ArgumentError: videos or audio, another option, or a bound outside
+                :func:`check_patch_bounds`.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; isaac takes "
@@ -487,10 +491,9 @@ class IsaacModel(nn.Module):
             if value is not None:
                 raise ArgumentError("isaac takes images only", argument=name)
         pc = self.processor_config
-        max_n = pc.max_num_patches if max_num_patches is None else _check_bound(
-            "max_num_patches", max_num_patches)
-        min_n = pc.min_num_patches if min_num_patches is None else _check_bound(
-            "min_num_patches", min_num_patches)
+        max_n = pc.max_num_patches if max_num_patches is None else max_num_patches
+        min_n = pc.min_num_patches if min_num_patches is None else min_num_patches
+        check_patch_bounds(max_n, min_n, self.config.patch_size, argument="options")
         loaded = [load_image(x, index=i, max_pixels=MAX_PIXELS)
                   for i, x in enumerate(_as_list(images))]
         if not loaded:
