@@ -39,7 +39,7 @@ from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
-from mmferry.media import load_image
+from mmferry.media import load_image, source_name
 from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import host_and_device, upload
 
@@ -494,8 +494,8 @@ class IsaacModel(nn.Module):
         max_n = pc.max_num_patches if max_num_patches is None else max_num_patches
         min_n = pc.min_num_patches if min_num_patches is None else min_num_patches
         check_patch_bounds(max_n, min_n, self.config.patch_size, argument="options")
-        loaded = [load_image(x, index=i, max_pixels=MAX_PIXELS)
-                  for i, x in enumerate(_as_list(images))]
+        sources = _as_list(images)
+        loaded = [load_image(x, index=i, max_pixels=MAX_PIXELS) for i, x in enumerate(sources)]
         if not loaded:
             return {}
         cfg = self.config
@@ -508,7 +508,7 @@ class IsaacModel(nn.Module):
             resized = _resize(img, h, w)
             if resized.shape[2] != cfg.num_channels:
                 raise MediaError(f"has {resized.shape[2]} channels, the encoder takes "
-                                 f"{cfg.num_channels}", source=f"item {i}")
+                                 f"{cfg.num_channels}", source=source_name(sources[i], i))
             _patchify_into(flat[start:start + n], resized, patch)
             start += n
         grid = torch.tensor([(1, h // patch, w // patch) for h, w in sizes], dtype=torch.int64)
