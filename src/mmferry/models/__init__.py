@@ -23,6 +23,7 @@ __all__ = ["CheckpointError", "load", "model_class", "names"]
 
 _REGISTRY: dict[str, str] = {
     "qwen2-vl": "mmferry.models.qwen2_vl:Qwen2VL",
+    "llava-onevision2": "mmferry.models.llava_onevision2:LlavaOnevision2",
 }
 SEED = 0
 
