@@ -4,8 +4,9 @@ OV2 is remote code (not in transformers); the reference is vLLM 0.33's
 ``llava_onevision2.py`` and the checkpoint's ``LlavaOnevision2Processor``.
 
 Processor: transformers' ``Qwen2VLImageProcessor`` (the torchvision backend vLLM 0.33 builds
-with transformers 5) with a temporal patch of 1: smart resize (bicubic, antialiased, rounded
-back to uint8), fused rescale + CLIP normalisation in float32, merge-block patch order, rows of
+with transformers 5) with a temporal patch of 1: smart resize (PyTorch's native uint8 bicubic
+antialiased kernel, as torchvision uses on the CPU), fused rescale + CLIP normalisation in
+float32, merge-block patch order, rows of
 ``C·P·P``. ``patch_positions`` holds each patch's (t, h, w) in the same order. Videos take
 vLLM's frame backend: the frames (padded to an even count by repeating the last) go through
 the image branch, one ``(1, h, w)`` grid row and t = 0 positions per frame, with
@@ -174,15 +175,15 @@ def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndar
 
 
 def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
-    """uint8 ``[H, W, C]``: torchvision's bicubic antialiased resize of a uint8 image (in
-    float32, clamped, rounded back to uint8)."""
+    """uint8 ``[H, W, C]``: torchvision's resize of a uint8 image on the CPU, PyTorch's
+    native uint8 bicubic antialiased kernel on the channels-first image."""
     arr = np.asarray(img)
     if arr.shape[:2] == (height, width):
         return arr
-    x = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)[None].float()
+    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()[None]
     x = F.interpolate(x, size=(height, width), mode="bicubic", align_corners=False,
                       antialias=True)
-    return x.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).numpy()
+    return x[0].permute(1, 2, 0).numpy()
 
 
 def _patchify_into(out: np.ndarray, frame: np.ndarray, table: np.ndarray, *, patch: int,
