@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -43,6 +42,9 @@ from PIL import Image
 
 import mmferry as mf
 from mmferry.models.llava_onevision2 import LlavaOnevision2, VisionConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from encoder_refs.llava_onevision2 import vllm_module, vllm_tower
 
 ATOL = 1e-4
 
@@ -72,39 +74,6 @@ def remote_patch_positions(grid: torch.Tensor, merge: int) -> torch.Tensor:
         idx = torch.arange(t * h * w).view(t, h // merge, merge, w // merge, merge)
         out.append(pp[idx.permute(0, 1, 3, 2, 4).reshape(-1)])
     return torch.cat(out)
-
-
-def vllm_setup() -> tuple[object, object]:
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    ctx = set_current_vllm_config(VllmConfig())
-    ctx.__enter__()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method="tcp://127.0.0.1:29517")
-    initialize_model_parallel(1, 1)
-    import vllm.model_executor.models.llava_onevision2 as ov2
-    return ov2, ctx
-
-
-def vllm_tower(ov2: object, cfg: VisionConfig, ours: LlavaOnevision2) -> torch.nn.Module:
-    vc = SimpleNamespace(patch_size=cfg.patch_size, spatial_merge_size=cfg.spatial_merge_size,
-                         num_channels=cfg.num_channels, hidden_size=cfg.hidden_size,
-                         num_hidden_layers=cfg.num_hidden_layers,
-                         num_attention_heads=cfg.num_attention_heads,
-                         intermediate_size=cfg.intermediate_size,
-                         frame_windows_size=cfg.frame_windows_size, rope_theta=cfg.rope_theta)
-    tower = ov2.LlavaOnevision2VisionTower(vc, text_hidden_size=cfg.text_hidden_size,
-                                           norm_eps=cfg.layer_norm_eps, prefix="visual")
-    state = ours.state_dict()
-    theirs = dict(tower.named_parameters())
-    with torch.no_grad():
-        for name, p in theirs.items():
-            p.copy_(state["visual." + name])
-    for m in tower.modules():
-        if hasattr(m, "quant_method"):
-            m.cpu_linear = torch.nn.functional.linear
-    return tower.eval()
 
 
 def check_processor(ov2: object) -> None:
@@ -188,7 +157,7 @@ def check_encoder(ov2: object, label: str, cfg: VisionConfig) -> None:
     model = mf.models.load("llava-onevision2",
                            config="tiny" if cfg is None else _config_json(cfg))
     cfg = model.config
-    tower = vllm_tower(ov2, cfg, model)
+    tower = vllm_tower(model)
     if label == "tiny":
         check_names(ov2, model, tower)
     print(f"4. encoder vs vLLM LlavaOnevision2VisionTower, {label} (hidden {cfg.hidden_size}, "
@@ -234,7 +203,7 @@ def _config_json(cfg: VisionConfig) -> dict:
 
 def main() -> int:
     torch.set_num_threads(1)
-    ov2, _ = vllm_setup()
+    ov2 = vllm_module()
     check_processor(ov2)
     check_contract(ov2)
     check_encoder(ov2, "tiny", None)
