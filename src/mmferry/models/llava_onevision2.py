@@ -258,15 +258,16 @@ def _as_videos(videos: Any) -> list[Any]:
 # -- encoder -----------------------------------------------------------------------------
 
 
-def _rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+def _rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, device: torch.device,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and signed ``sin`` ``[n, 1, head_dim]`` float32 from ``[n, 3]`` positions.
 
     Frequencies: ``head_dim/2`` split 4:6:6 over (t, h, w), each axis ``theta^-(i/size)``;
     the angle table is ``cat(f, f)``. The sign of the interleaved rotate-half (even lanes
     take ``-x[odd]``) is folded into ``sin``, so applying it is a pair swap and two products.
+    The frequencies are built on the activations' ``device``: positions anywhere else fail
+    at their first use.
     """
-    device = positions.device
     unit = head_dim // 32
     angles = []
     for axis, size in enumerate((4 * unit, 6 * unit, 6 * unit)):
@@ -405,7 +406,7 @@ class VisionTower(nn.Module):
         """``pixels`` ``[Σ t·h·w, C·P·P]`` and ``positions`` ``[Σ t·h·w, 3]`` on the device,
         ``grid`` host ints per grid row."""
         x = self.layernorm_pre(self.embeddings(pixels))
-        cos, sin = _rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = _rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.device)
         runs = window_runs(grid, self.cfg.frame_windows_size)
         for block in self.encoder.layers:
             x = block(x, cos, sin, runs)
