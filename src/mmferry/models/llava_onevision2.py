@@ -180,7 +180,7 @@ def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
     arr = np.asarray(img)
     if arr.shape[:2] == (height, width):
         return arr
-    x = torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()[None]
+    x = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))[None]
     x = F.interpolate(x, size=(height, width), mode="bicubic", align_corners=False,
                       antialias=True)
     return x[0].permute(1, 2, 0).numpy()
@@ -201,8 +201,8 @@ def _patchify_into(out: np.ndarray, frame: np.ndarray, table: np.ndarray, *, pat
 
 
 @lru_cache(maxsize=256)
-def _frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
-    """(0, row, column) of each patch of one ``h×w`` frame, in merge-block order."""
+def _frame_positions(h: int, w: int, merge: int) -> np.ndarray:
+    """(0, row, column) of each patch of one ``h×w`` frame, in merge-block order (read-only)."""
     bh, bw = h // merge, w // merge
     shape = (bh, bw, merge, merge)
     rows = np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
@@ -210,9 +210,9 @@ def _frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
     pos = np.zeros((*shape, 3), dtype=np.int64)
     pos[..., 1] = np.broadcast_to(rows, shape)
     pos[..., 2] = np.broadcast_to(cols, shape)
-    out = torch.from_numpy(pos.reshape(h * w, 3))
-    out.requires_grad_(False)
-    return out
+    pos = pos.reshape(h * w, 3)
+    pos.setflags(write=False)
+    return pos
 
 
 def patch_positions(grid: Sequence[tuple[int, int, int]], merge: int) -> torch.Tensor:
@@ -220,18 +220,14 @@ def patch_positions(grid: Sequence[tuple[int, int, int]], merge: int) -> torch.T
     in the processor's order: t-major, then merge blocks, then the patch within its block;
     t counts from 0 in each row (what the checkpoint's ``build_patch_positions`` gives
     without frame indices)."""
-    parts = []
+    out = np.empty((sum(t * h * w for t, h, w in grid), 3), dtype=np.int64)
+    start = 0
     for t, h, w in grid:
-        frame = _frame_positions(h, w, merge)
-        if t == 1:
-            parts.append(frame)
-            continue
-        rep = frame.repeat(t, 1)
-        rep[:, 0] = torch.arange(t).repeat_interleave(h * w)
-        parts.append(rep)
-    if not parts:
-        return torch.empty(0, 3, dtype=torch.int64)
-    return torch.cat(parts)
+        frame = out[start:start + t * h * w].reshape(t, h * w, 3)
+        frame[:] = _frame_positions(h, w, merge)
+        frame[:, :, 0] = np.arange(t)[:, None]
+        start += t * h * w
+    return torch.from_numpy(out)
 
 
 def _is_frame(x: Any) -> bool:
@@ -715,7 +711,7 @@ class LlavaOnevision2(nn.Module):
             if "video_num_frames" not in batch:
                 raise ContractError("missing from the batch", field="video_num_frames")
             frames = batch["video_num_frames"]
-            counted = sum(torch.as_tensor(f).reshape(-1).tolist() for f in frames) \
+            counted = sum(int(n) for f in frames for n in torch.as_tensor(f).reshape(-1).tolist()) \
                 if isinstance(frames, list) else sum(frames.reshape(-1).tolist())
             if counted != len(grid):
                 raise ContractError(f"{counted} frames for {len(grid)} grid rows",
