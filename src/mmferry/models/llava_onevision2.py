@@ -325,8 +325,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 runs: Sequence[tuple[int, int]]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        return self.proj(_windowed_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, runs))
+        qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
+        # q and k rotate together: one pass over both, the tables broadcast over the pair.
+        q, k = _rotate(qkv[:, :2], cos[:, None], sin[:, None]).unbind(1)
+        return self.proj(_windowed_attention(q, k, qkv[:, 2], runs))
 
 
 class Mlp(nn.Module):
