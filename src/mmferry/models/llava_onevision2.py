@@ -6,11 +6,10 @@ OV2 is remote code (not in transformers); the reference is vLLM 0.33's
 Processor: transformers' ``Qwen2VLImageProcessor`` (the torchvision backend vLLM 0.33 builds
 with transformers 5) with a temporal patch of 1: smart resize (PyTorch's native uint8 bicubic
 antialiased kernel, as torchvision uses on the CPU), fused rescale + CLIP normalisation in
-float32, merge-block patch order, rows of
-``C·P·P``. ``patch_positions`` holds each patch's (t, h, w) in the same order. Videos take
-vLLM's frame backend: the frames (padded to an even count by repeating the last) go through
-the image branch, one ``(1, h, w)`` grid row and t = 0 positions per frame, with
-``frame_timestamps`` = frame index / fps.
+float32, merge-block patch order, rows of ``C·P·P``. ``patch_positions`` holds each patch's
+(t, h, w) in the same order. Videos take vLLM's frame backend: the frames (padded to an even
+count by repeating the last) go through the image branch, one ``(1, h, w)`` grid row and
+t = 0 positions per frame, with ``frame_timestamps`` = frame index / fps.
 
 Encoder: conv patch embedding (no bias), ``layernorm_pre``, blocks with a fused ``qkv``,
 3-D interleaved rotary positions (head_dim/2 split 4:6:6 over t, h, w) from
