@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import io
 import multiprocessing as mp
+import os
+import socket
 import struct
 import warnings
 from collections.abc import Sequence
@@ -92,6 +94,15 @@ def item_meta(model: EncoderModel, item: Item) -> dict[str, Any]:
 # ---- the worker process ----------------------------------------------------------------
 
 
+def _raw_socket(conn: Connection) -> socket.socket:
+    """The pipe's socket, for frames as raw bytes: ``Connection`` copies a message three
+    times on the way in (read, BytesIO, readinto); ``recv_into`` copies once."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)  # capped by the kernel's limits
+    return sock
+
+
 def _worker_main(conn: Connection, model_name: str, weights: str | None,
                  max_image_pixels: int) -> None:
     import torch
@@ -99,6 +110,7 @@ def _worker_main(conn: Connection, model_name: str, weights: str | None,
     from mmferry import models
 
     torch.set_num_threads(1)  # one process per core; the pool is the parallelism
+    raw = _raw_socket(conn)
     model = models.load(model_name, weights, materialize=False)
     # Warm-up: the processor on every branch of its dummy inputs, split, hash and wire.
     dummy = model.dummy_inputs()
@@ -122,8 +134,8 @@ def _worker_main(conn: Connection, model_name: str, weights: str | None,
             continue
         conn.send_bytes(pack_meta({"ok": True, "result": result,
                                    "frames": [f.nbytes for f in frames]}))
-        for frame in frames:  # straight from the tensors' memory: no join here
-            conn.send_bytes(frame)
+        for frame in frames:  # raw, straight from the tensors' memory: no join, no framing
+            raw.sendall(frame)
 
 
 class WorkerDied(RuntimeError):
@@ -142,6 +154,7 @@ class RenderJob:
 class _Worker:
     def __init__(self, ctx: Any, args: tuple[Any, ...]) -> None:
         self.conn, child = ctx.Pipe()
+        self.raw = _raw_socket(self.conn)
         self.process = ctx.Process(target=_worker_main, args=(child, *args), daemon=True)
         self.process.start()
         child.close()
@@ -163,10 +176,12 @@ class _Worker:
             view[:len(prefix)] = prefix
             at = len(prefix) + len(head)
             view[len(prefix):at] = head
-            for size in sizes:
-                if self.conn.recv_bytes_into(view[at:at + size]) != size:
-                    raise WorkerDied("a frame of the wrong size")
-                at += size
+            end = len(body)
+            while at < end:
+                n = self.raw.recv_into(view[at:end])
+                if n == 0:
+                    raise EOFError("the worker closed its pipe mid-frame")
+                at += n
         except (EOFError, OSError) as e:
             raise WorkerDied(str(e)) from None
         return meta, view
@@ -183,6 +198,7 @@ class _Worker:
             raise WorkerDied(f"worker died while starting ({e})") from None
 
     def stop(self) -> None:
+        self.raw.close()
         self.conn.close()
         self.process.kill()
         self.process.join(5)
