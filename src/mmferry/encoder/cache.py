@@ -153,6 +153,36 @@ class EncoderCache:
         self.stats.entries -= 1
         self.stats.evictions += 1
 
+    def check_consistency(self) -> None:
+        """Raise :class:`EncoderCacheError` if the bookkeeping disagrees with itself (stats
+        against entries, references in both directions, freeable entries unreferenced, the
+        capacity kept). For tests and debugging; O(entries)."""
+        with self._lock:
+            problems = []
+            tokens = sum(v.shape[0] for v in self._entries.values())
+            nbytes = sum(v.nbytes for v in self._entries.values())
+            if (self.stats.tokens, self.stats.bytes, self.stats.entries) != (
+                    tokens, nbytes, len(self._entries)):
+                problems.append(f"stats {self.stats} disagree with entries ({tokens} tokens, "
+                                f"{nbytes} bytes, {len(self._entries)} entries)")
+            if tokens > self.max_tokens:
+                problems.append(f"{tokens} tokens exceed max_tokens {self.max_tokens}")
+            if self._refs.keys() != self._entries.keys() or self._last_use.keys() != (
+                    self._entries.keys()):
+                problems.append("reference or recency tables name other keys than the entries")
+            for key, requests in self._refs.items():
+                if any(key not in self._held.get(r, ()) for r in requests):
+                    problems.append(f"entry {key[:16]} is referenced by a request not holding it")
+                if requests and key in self._freeable:
+                    problems.append(f"entry {key[:16]} is referenced yet freeable")
+            for request, keys in self._held.items():
+                if any(request not in self._refs.get(k, ()) for k in keys):
+                    problems.append(f"request {request!r} holds an entry that does not list it")
+            if any(k not in self._entries for k in self._freeable):
+                problems.append("a freeable key is not cached")
+            if problems:
+                raise EncoderCacheError("; ".join(problems[:3]))
+
     def clear(self) -> None:
         with self._lock:
             for key in list(self._entries):
