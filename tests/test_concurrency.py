@@ -21,12 +21,14 @@ def test_eight_threads_mixing_put_lookup_release_and_eviction() -> None:
     values = {f"k{i}": torch.full((1 + i % 7, 4), float(i)) for i in range(40)}
     errors: list[BaseException] = []
     ops = [0] * THREADS
-    stop = time.perf_counter() + SECONDS
+    start = threading.Barrier(THREADS)
 
     def work(t: int) -> None:
         rng = random.Random(t)
+        start.wait()  # all threads contend from the same moment
+        stop = time.perf_counter() + SECONDS
         try:
-            while time.perf_counter() < stop:
+            while time.perf_counter() < stop or ops[t] < 200:
                 key = rng.choice(list(values))
                 request = f"r{t}-{rng.randrange(4)}"
                 op = rng.random()
@@ -51,7 +53,7 @@ def test_eight_threads_mixing_put_lookup_release_and_eviction() -> None:
     for th in threads:
         th.join()
     assert not errors, errors[0]
-    assert min(ops) > 100  # every thread really ran
+    assert min(ops) >= 200  # every thread really ran
     cache.check_consistency()
     assert cache.stats.evictions > 0  # the run did exercise eviction under contention
     for t in range(THREADS):
@@ -99,13 +101,16 @@ def test_a_runner_shared_by_threads_serialises_calls_and_answers_each_correctly(
                      {"x": F.flat("image", [slice(None)])}) for i in range(30)]
     want = [torch.full((1 + i % 3, 1), float(i)) * model.w.detach() for i in range(30)]
     errors: list[BaseException] = []
-    stop = time.perf_counter() + SECONDS
+    start = threading.Barrier(THREADS)
+    calls = [0] * THREADS
 
     def work(t: int) -> None:
         rng = random.Random(t)
         n = 0
+        start.wait()
+        stop = time.perf_counter() + SECONDS
         try:
-            while time.perf_counter() < stop:
+            while time.perf_counter() < stop or n < 20:
                 picks = rng.sample(range(30), 4)
                 outs = runner.encode([items[i] for i in picks], request=(t, n))
                 for i, out in zip(picks, outs, strict=True):
@@ -113,6 +118,7 @@ def test_a_runner_shared_by_threads_serialises_calls_and_answers_each_correctly(
                     out.mul_(0)  # the caller's copy: must not leak to others
                 runner.release((t, n))
                 n += 1
+            calls[t] = n
         except BaseException as e:  # handed to the main thread
             errors.append(e)
 
@@ -122,5 +128,6 @@ def test_a_runner_shared_by_threads_serialises_calls_and_answers_each_correctly(
     for th in threads:
         th.join()
     assert not errors, errors[0]
+    assert min(calls) >= 20
     assert model.overlaps == 0  # encoder calls never ran concurrently
     runner.cache.check_consistency()

@@ -232,7 +232,7 @@ def encode(items: Items | Sequence[Item]) -> list[bytes | memoryview]:
     rows: list[_Item] = []
     for item in seq:
         if not isinstance(item, Item):
-            raise TypeError(f"expected Item, got {type(item).__name__}")
+            raise ContractError(f"expected Item, got {type(item).__name__}")
         specs = item.specs
         names = tuple(item)
         field_specs = tuple(specs[n] for n in names)
