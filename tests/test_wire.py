@@ -359,7 +359,7 @@ def test_unsupported_tensors_name_the_field() -> None:
 
 
 def test_encode_takes_items_only() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(mf.ContractError, match="expected Item"):
         wire.encode([{"x": 1}])
 
 

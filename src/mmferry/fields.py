@@ -9,7 +9,7 @@ A :class:`FieldSpec` is plain, immutable data: comparable, hashable, and seriali
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -46,13 +46,14 @@ class Placement(str, Enum):
     def parse(cls, value: Placement | str) -> Placement:
         try:
             return cls(value)
-        except ValueError:
+        except (ValueError, TypeError):
             raise ContractError(
                 f"unknown placement {value!r}; expected one of 'device', 'host', 'both'"
             ) from None
 
 
 KINDS = ("batched", "flat", "shared")
+_SPEC_KEYS = frozenset({"kind", "modality", "placement", "dim", "slices", "sizes", "batch_size"})
 
 # One dimension of an item's slice: (start, stop, step), None meaning "open" as in `slice`.
 Bounds = tuple[int | None, int | None, int | None]
@@ -108,7 +109,7 @@ class FieldSpec:
         if not isinstance(self.modality, str) or not self.modality:
             raise ContractError(f"modality must be a non-empty string, got {self.modality!r}")
         object.__setattr__(self, "placement", Placement.parse(self.placement))
-        if not isinstance(self.dim, int) or self.dim < 0:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
             raise ContractError(f"dim must be a non-negative int, got {self.dim!r}")
         if self.kind != "flat" and (self.slices is not None or self.sizes is not None or self.dim):
             raise ContractError(f"{self.kind} fields take no slices, sizes or dim")
@@ -131,7 +132,8 @@ class FieldSpec:
                 f"slices must be per-item tuples of (start, stop, step) covering dim {self.dim}"
             )
         if self.batch_size is not None and (
-            not isinstance(self.batch_size, int) or self.batch_size < 0
+            not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool)
+            or self.batch_size < 0
         ):
             raise ContractError(f"batch_size must be a non-negative int, got {self.batch_size!r}")
         object.__setattr__(
@@ -171,7 +173,7 @@ class FieldSpec:
             isinstance(slices, tuple) and all(isinstance(s, slice | tuple) for s in slices)
         ):
             raise ContractError("slices must be a sequence with one slice per item")
-        if not isinstance(dim, int) or dim < 0:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise ContractError(f"dim must be a non-negative int, got {dim!r}")
         prefix: tuple[Bounds, ...] = ((None, None, None),) * dim
         items: list[tuple[Bounds, ...]] = []
@@ -273,16 +275,38 @@ class FieldSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FieldSpec:
+    def from_dict(cls, d: Mapping[str, Any]) -> FieldSpec:
+        """The spec :meth:`to_dict` described.
+
+        Raises:
+            ContractError: not a mapping, a missing ``kind`` / ``modality``, an unknown key,
+                or a value the constructor refuses.
+        """
+        if not isinstance(d, Mapping):
+            raise ContractError(f"a field spec is a mapping, got {type(d).__name__}")
+        missing = [k for k in ("kind", "modality") if k not in d]
+        if missing:
+            raise ContractError(f"a field spec needs {' and '.join(missing)}; got keys "
+                                f"{sorted(map(str, d))}")
+        unknown = sorted(set(map(str, d)) - _SPEC_KEYS)
+        if unknown:
+            raise ContractError(f"unknown field spec key(s) {unknown}; expected "
+                                f"{sorted(_SPEC_KEYS)}")
         slices = d.get("slices")
         sizes = d.get("sizes")
+        try:
+            slices = None if slices is None else tuple(tuple(tuple(b) for b in s) for s in slices)
+            sizes = None if sizes is None else tuple(sizes)
+        except TypeError:
+            raise ContractError(f"slices / sizes must be lists, got {d.get('slices')!r} / "
+                                f"{d.get('sizes')!r}") from None
         return cls(
             d["kind"],
             d["modality"],
             d.get("placement", "device"),
             d.get("dim", 0),
-            slices=None if slices is None else tuple(tuple(tuple(b) for b in s) for s in slices),
-            sizes=None if sizes is None else tuple(sizes),
+            slices=slices,
+            sizes=sizes,
             batch_size=d.get("batch_size"),
         )
 

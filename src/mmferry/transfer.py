@@ -109,8 +109,9 @@ class StagingPool:
     """
 
     def __init__(self, max_blocks: int, *, pin_memory: bool, stats: TransferStats) -> None:
-        if max_blocks < 1:
-            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
+            raise ArgumentError(f"must be a positive int, got {max_blocks!r}",
+                                argument="max_blocks")
         self.max_blocks = max_blocks
         self.pin_memory = pin_memory
         self.stats = stats

@@ -64,7 +64,7 @@ class RunStats:
 
 def _named(error: MmferryError, position: int, item: Item) -> MmferryError:
     """``error`` with the item's position and hash prefixed, same type and attributes."""
-    where = f"item {position} ({item.modality}, {item.hash[:12]})"
+    where = f"item {position} ({item.modality}, {(item.known_hash or 'unhashable')[:12]})"
     if str(error).startswith(where):
         return error
     named = type(error).__new__(type(error))
