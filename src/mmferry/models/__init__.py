@@ -23,6 +23,7 @@ __all__ = ["CheckpointError", "load", "model_class", "names"]
 
 _REGISTRY: dict[str, str] = {
     "qwen2-vl": "mmferry.models.qwen2_vl:Qwen2VL",
+    "ernie4.5-vl": "mmferry.models.ernie4_5_vl:Ernie45VL",
 }
 SEED = 0
 
