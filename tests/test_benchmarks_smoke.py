@@ -33,3 +33,23 @@ def test_datapath_quick_runs_every_stage() -> None:
         assert lines[start + 2 + len(STAGES)].startswith("header bytes")
     assert "targets" in out
     assert "foreign CPU:" in out
+
+
+def test_every_encoder_reference_names_a_registered_model() -> None:
+    import importlib
+    import pkgutil
+
+    import mmferry as mf
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import encoder_refs
+
+        modules = [importlib.import_module(f"encoder_refs.{m.name}")
+                   for m in pkgutil.iter_modules(encoder_refs.__path__)]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    names = [m.NAME for m in modules]
+    assert "qwen2-vl" in names and len(set(names)) == len(names)
+    for module in modules:
+        assert module.NAME in mf.models.names() and module.REFERENCE and callable(module.build)

@@ -35,8 +35,9 @@ def test_encode_samples_prints_one_row_per_item() -> None:
     assert lines[0].split()[:4] == ["file", "tokens", "embedding", "cache"]
     rows = [line.split() for line in lines[1:4]]
     assert [r[3] for r in rows] == ["miss", "miss", "repeat"]
+    assert [r[4] for r in rows] == ["image", "video", "image"]  # qwen2-vl takes both
     assert rows[0][1] == rows[2][1] and rows[0][2] == rows[2][2]
-    assert "1 encoder call(s)" in result.output
+    assert "2 encoder call(s)" in result.output
 
 
 def test_encode_reports_bad_files_and_still_encodes_the_rest(images: list[Path], tmp_path: Path) -> None:
@@ -85,8 +86,36 @@ def test_models_lists_fields_kinds_and_placements() -> None:
 
 
 def test_item_over_the_step_budget_fails_alone() -> None:
-    result = run("encode", "--samples", "3", "--max-tokens-per-step", "100")
+    # The sample image has 256 tokens, the sample video 280.
+    result = run("encode", "--samples", "3", "--max-tokens-per-step", "260")
     assert result.exit_code == 1
     rows = [line.split() for line in result.stdout.splitlines()[1:4]]
-    assert [r[3] for r in rows] == ["error", "miss", "error"]
-    assert "more than the step budget of 100" in result.stderr
+    assert [r[3] for r in rows] == ["miss", "error", "repeat"]
+    assert "280 tokens, more than the step budget of 260" in result.stderr
+
+
+def test_encode_takes_video_files_frame_folders_and_refuses_other_modalities(
+        tmp_path: Path) -> None:
+    import av
+
+    from mmferry.media import samples
+
+    frames = samples.video_like(6, 64, 96, seed=3)
+    mp4 = tmp_path / "clip.mp4"
+    with av.open(str(mp4), "w") as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    folder = samples.write_video(tmp_path / "frames", frames)
+    wav = samples.write_audio(tmp_path / "speech.wav", samples.speech_like(1.0), 16000)
+    result = run("encode", str(mp4), str(folder), str(wav))
+    assert result.exit_code == 1
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:4]}
+    assert rows["clip.mp4"][3:6] == ["miss", "video", "6x96x64"]
+    assert rows["frames"][3:6] == ["miss", "video", "6x96x64"]
+    # Six frames pad to three temporal patches either way; lossy H.264 changes the pixels.
+    assert rows["clip.mp4"][1] == rows["frames"][1] != "-"
+    assert rows["speech.wav"][3] == "error"
+    assert "speech.wav: is audio; qwen2-vl takes image, video" in result.stderr

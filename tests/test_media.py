@@ -159,5 +159,49 @@ def test_video_frames(pixels: np.ndarray) -> None:
     with pytest.raises(MediaError) as e:
         load_video([pixels, b"junk"], index=0)
     assert e.value.source == "item 0, frame 1"
-    with pytest.raises(MediaError, match="sequence of frames"):
-        load_video(_png(pixels))
+    with pytest.raises(MediaError, match="not one image"):
+        load_video(Image.fromarray(pixels))
+    with pytest.raises(MediaError, match="cannot decode the video") as e:
+        load_video(b"junk" * 100, index=4)
+    assert e.value.source == "item 4"
+
+
+def _mp4(path: Path, frames: np.ndarray) -> Path:
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def test_video_files_are_sampled_evenly_and_limited(tmp_path: Path) -> None:
+    from mmferry.media import samples
+    from mmferry.media.video import sample_indices
+
+    assert sample_indices(3, 8) == [0, 1, 2]
+    assert sample_indices(10, 4) == [0, 3, 6, 9]
+    frames = samples.video_like(10, 32, 48, seed=1)
+    path = _mp4(tmp_path / "v.mp4", frames)
+    got = load_video(path, max_frames=4)
+    assert len(got) == 4 and got[0].size == (48, 32)
+    # The sampled frames are frames 0, 3, 6, 9 of the clip (lossy: compare coarsely).
+    for frame, t in zip(got, [0, 3, 6, 9], strict=True):
+        err = np.abs(np.asarray(frame, np.int16) - frames[t].astype(np.int16)).mean()
+        assert err < 12, (t, err)
+    assert len(load_video(path.read_bytes())) == 10
+    with pytest.raises(MediaError, match="above the limit") as e:
+        load_video(path, max_pixels=1000)
+    assert e.value.source == str(path)
+    with pytest.raises(MediaError, match="bytes, above the limit"):
+        load_video(path, max_bytes=100)
+    with pytest.raises(MediaError, match="no such file"):
+        load_video(tmp_path / "absent.mp4")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(MediaError, match="holds no files"):
+        load_video(empty)

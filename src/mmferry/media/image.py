@@ -1,4 +1,4 @@
-"""Decode one image, or the frames of one video, into RGB PIL images, with limits.
+"""Decode one image into an RGB PIL image, with limits.
 
 Sources are encoded bytes, a file path, a PIL image or a uint8 array (``H×W`` or ``H×W×C``
 with 1, 3 or 4 channels). Anything that cannot be decoded or breaks a limit raises
@@ -18,7 +18,7 @@ from PIL import Image, ImageOps
 
 from mmferry.errors import MediaError
 
-__all__ = ["MAX_PIXELS", "ImageSource", "load_image", "load_images", "load_video", "source_name"]
+__all__ = ["MAX_PIXELS", "ImageSource", "load_image", "load_images", "source_name"]
 
 # Pillow's own default: it warns above this and refuses twice this. We refuse anything above
 # it from the header alone, before a pixel is decoded.
@@ -150,34 +150,3 @@ def load_images(sources: Sequence[ImageSource], *,
                 max_pixels: int = MAX_PIXELS) -> list[Image.Image]:
     """:func:`load_image` for each source; errors name the file or ``item N`` (its index)."""
     return [load_image(s, index=i, max_pixels=max_pixels) for i, s in enumerate(sources)]
-
-
-def load_video(frames: Sequence[ImageSource] | np.ndarray, *, index: int | None = None,
-               max_pixels: int = MAX_PIXELS) -> list[Image.Image]:
-    """Decode a video given as its frames (a sequence of image sources, or a ``T×H×W[×C]``
-    uint8 array) into RGB PIL images of one size. ``max_pixels`` limits each frame.
-
-    Raises:
-        MediaError: a frame fails :func:`load_image`, there are no frames, or frame sizes differ.
-    """
-    name = source_name(frames, index)
-    if isinstance(frames, np.ndarray):
-        if frames.ndim not in (3, 4):
-            raise MediaError(f"a video array must be TxHxW or TxHxWxC, got shape {frames.shape}",
-                             source=name)
-        frames = list(frames)
-    if isinstance(frames, str | os.PathLike | bytes | bytearray | memoryview | Image.Image):
-        raise MediaError("a video must be given as a sequence of frames", source=name)
-    if len(frames) == 0:
-        raise MediaError("a video needs at least one frame", source=name)
-    out = []
-    for t, frame in enumerate(frames):
-        where = os.fspath(frame) if isinstance(frame, str | os.PathLike) else f"{name}, frame {t}"
-        out.append(_load(frame, where, max_pixels))
-        if out[-1].size != out[0].size:
-            raise MediaError(
-                f"frame {t} is {out[-1].width}x{out[-1].height} but frame 0 is "
-                f"{out[0].width}x{out[0].height}; frames of one video must share a size",
-                source=name,
-            )
-    return out
