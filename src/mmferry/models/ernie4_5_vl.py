@@ -591,7 +591,7 @@ class Ernie45VL(nn.Module):
         if loaded:
             self._process(out, "image", [[img] for img in loaded], min_pixels or pc.min_pixels,
                           max_pixels or pc.max_pixels)
-        clips = [_sample_frames(load_video(v, index=i), pc.max_frames)
+        clips = [_sample_frames(load_video(v, index=i, max_frames=pc.max_frames), pc.max_frames)
                  for i, v in enumerate(_as_videos(videos))]
         if clips:
             self._process(out, "video", clips, min_pixels or pc.video_min_pixels,
