@@ -2,11 +2,12 @@
 
 The image processor matches transformers' ``Ernie4_5_VLMoeImageProcessorPil`` (smart resize
 with Pillow's bicubic filter, rescale and CLIP normalisation, merge-block patch order, one
-frame per patch). The video processor matches ``Ernie4_5_VLMoeVideoProcessor`` with
-``draw_on_frames=False``: at most ``max_frames`` frames sampled evenly, an odd frame count
-padded with the last frame, frames resized with PyTorch's antialiased bicubic on uint8 (what
-that processor runs on a CPU), the fused rescale-and-normalise, one row per patch of every
-frame. The encoder is the Ernie4.5-VL vision transformer and its
+frame per patch). The video processor matches ``Ernie4_5_VLMoeVideoProcessor``:
+timestamps drawn on the frames when the checkpoint's video processor config asks for it
+(``draw_on_frames``, with its font file), at most ``max_frames`` frames sampled evenly, an odd
+frame count padded with the last frame, frames resized with PyTorch's antialiased bicubic
+on uint8 (what that processor runs on a CPU), the fused rescale-and-normalise, one row per
+patch of every frame. The encoder is the Ernie4.5-VL vision transformer and its
 ``VariableResolutionResamplerModel`` (2×2 spatial merge, pairwise temporal merge, projection
 to the language model's width), with the public checkpoint's parameter names.
 
@@ -30,7 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError, MediaError
@@ -169,15 +170,27 @@ class ProcessorConfig:
     max_frames: int = 180
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    # Timestamps drawn on video frames with this TrueType font (the checkpoint's), or None.
+    timestamp_font: str | None = None
 
     @classmethod
-    def from_files(cls, image: Mapping[str, Any], video: Mapping[str, Any] | None) -> ProcessorConfig:
+    def from_files(cls, image: Mapping[str, Any], video: Mapping[str, Any] | None,
+                   folder: Path | None = None) -> ProcessorConfig:
         """Read ``preprocessor_config.json`` content (``size`` as transformers writes it, or
         ``min_pixels`` / ``max_pixels`` as the original processor does) and, when the folder
-        has one, ``video_preprocessor_config.json``."""
+        has one, ``video_preprocessor_config.json`` (with ``draw_on_frames``, its ``font``
+        file is looked up in ``folder``)."""
         out = cls()
         size = image.get("size") or {}
         vsize = (video or {}).get("size") or {}
+        font = None
+        if (video or {}).get("draw_on_frames"):
+            name = video.get("font")
+            if not isinstance(name, str) or folder is None or not (folder / name).is_file():
+                raise ArgumentError(f"video_preprocessor_config.json draws timestamps with font "
+                                    f"{name!r}, which the checkpoint folder lacks",
+                                    argument="font")
+            font = str(folder / name)
         try:
             return replace(
                 out,
@@ -188,6 +201,7 @@ class ProcessorConfig:
                 max_frames=int((video or {}).get("max_frames", out.max_frames)),
                 image_mean=tuple(float(x) for x in image.get("image_mean", out.image_mean)),
                 image_std=tuple(float(x) for x in image.get("image_std", out.image_std)),
+                timestamp_font=font,
             )
         except (TypeError, ValueError) as e:
             raise ArgumentError(f"bad processor config value: {e}", argument="config") from None
@@ -256,13 +270,39 @@ def _resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return y.permute(0, 2, 3, 1).numpy()
 
 
-def _sample_frames(frames: list[Image.Image], max_frames: int) -> list[Image.Image]:
-    """At most ``max_frames`` frames, evenly spaced, with the video processor's indices."""
+def _sample_frames(frames: list[Image.Image], max_frames: int) -> list[int]:
+    """Indices of at most ``max_frames`` frames, evenly spaced, as the video processor
+    samples them."""
     total = len(frames)
     if total <= max_frames:
-        return frames
-    indices = torch.arange(0, total, total / max_frames).int().tolist()
-    return [frames[i] for i in indices]
+        return list(range(total))
+    return torch.arange(0, total, total / max_frames).int().tolist()
+
+
+def _timestamp(index: int, fps: float) -> str:
+    """``time: HH:MM:SS.ss`` of frame ``index``, with the video processor's float32
+    arithmetic (its frame indices are an int32 tensor)."""
+    seconds = torch.tensor(index, dtype=torch.int32) / fps
+    hours = seconds // 3600
+    seconds = seconds % 3600
+    minutes = seconds // 60
+    seconds = seconds % 60
+    return f"time: {int(hours):02d}:{int(minutes):02d}:{float(seconds):05.02f}"
+
+
+def _draw_timestamps(frames: list[Image.Image], indices: list[int], fps: float,
+                     font_path: str) -> list[Image.Image]:
+    """Each frame with its timestamp in the top-left corner, black on a white outline, in a
+    font a tenth of the shorter side, as the video processor draws them."""
+    out = []
+    for frame, index in zip(frames, indices, strict=True):
+        size = int(min(*frame.size) * 0.1)
+        font = ImageFont.truetype(font_path, size)
+        frame = frame.copy()
+        ImageDraw.Draw(frame).text((0, 0), _timestamp(index, fps), font=font, fill=(0, 0, 0),
+                                   stroke_width=int(size * 0.1), stroke_fill=(255, 255, 255))
+        out.append(frame)
+    return out
 
 
 def _is_frame(x: Any) -> bool:
@@ -556,32 +596,37 @@ class Ernie45VL(nn.Module):
             if (folder / "video_preprocessor_config.json").is_file():
                 video = read_json(folder, "video_preprocessor_config.json")
             processor = ProcessorConfig.from_files(
-                read_json(folder, "preprocessor_config.json"), video)
+                read_json(folder, "preprocessor_config.json"), video, folder)
         return cls(arch, processor)
 
     # -- processor -----------------------------------------------------------------------
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   min_pixels: int | None = None, max_pixels: int | None = None,
-                  **kwargs: Any) -> dict[str, torch.Tensor]:
+                  fps: float | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
         """Images and videos to ``pixel_values`` ``[Σ h·w, C·P·P]`` float32 and
         ``image_grid_thw`` ``[n, 3]`` int64 (t = 1), and ``pixel_values_videos``
         ``[Σ t·h·w, C·P·P]`` / ``video_grid_thw`` (t = frames, padded to even).
 
         ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
         takes. ``videos``: a sequence of videos, each its frames (or a ``T×H×W×C`` array);
-        a plain sequence of frames is one video. Timestamps are not drawn on frames
-        (transformers' ``draw_on_frames=False``). ``min_pixels`` / ``max_pixels`` override
-        the resize bounds of both. A modality without media has no fields in the output.
+        a plain sequence of frames is one video. When the checkpoint's video processor
+        draws timestamps (``draw_on_frames``), each frame gets its time at ``fps`` frames
+        per second (default 24, transformers' fallback); otherwise none are drawn.
+        ``min_pixels`` / ``max_pixels`` override the resize bounds of both. A modality
+        without media has no fields in the output.
 
         Raises:
             MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
                 above 200; it names the file or ``item N``.
-            ArgumentError: audio, or an option other than ``min_pixels`` / ``max_pixels``.
+            ArgumentError: audio, a non-positive ``fps``, or an option other than
+                ``min_pixels`` / ``max_pixels`` / ``fps``.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; ernie4.5-vl "
-                                "takes min_pixels and max_pixels", argument=sorted(kwargs)[0])
+                                "takes min_pixels, max_pixels and fps", argument=sorted(kwargs)[0])
+        if fps is not None and not (isinstance(fps, int | float) and fps > 0):
+            raise ArgumentError(f"fps must be a positive number, got {fps!r}", argument="fps")
         if audios is not None:
             raise ArgumentError("ernie4.5-vl takes images and videos, not audio",
                                 argument="audios")
@@ -591,8 +636,14 @@ class Ernie45VL(nn.Module):
         if loaded:
             self._process(out, "image", [[img] for img in loaded], min_pixels or pc.min_pixels,
                           max_pixels or pc.max_pixels)
-        clips = [_sample_frames(load_video(v, index=i, max_frames=pc.max_frames), pc.max_frames)
-                 for i, v in enumerate(_as_videos(videos))]
+        clips = []
+        for i, source in enumerate(_as_videos(videos)):
+            frames = load_video(source, index=i, max_frames=pc.max_frames)
+            indices = _sample_frames(frames, pc.max_frames)
+            frames = [frames[j] for j in indices]
+            if pc.timestamp_font is not None:
+                frames = _draw_timestamps(frames, indices, fps or 24.0, pc.timestamp_font)
+            clips.append(frames)
         if clips:
             self._process(out, "video", clips, min_pixels or pc.video_min_pixels,
                           max_pixels or pc.video_max_pixels)
