@@ -169,6 +169,66 @@ def test_video_processor_matches_the_transformers_video_path(shapes, bounds) -> 
     assert torch.equal(out["pixel_values_videos"], torch.cat([p for p, _ in want]))
 
 
+def _drawing_folder(folder: Path, draw: bool = True) -> Path:
+    """A checkpoint's processor files whose video processor draws timestamps with a font
+    shipped beside them (Pillow's embedded TrueType font, so nothing is fetched)."""
+    from PIL import ImageFont
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "font.ttf").write_bytes(ImageFont.load_default(size=10).font_bytes)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"size": {
+        "shortest_edge": SMALL["min_pixels"], "longest_edge": SMALL["max_pixels"]}}))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps({
+        "draw_on_frames": draw, "font": "font.ttf",
+        "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}}))
+    return folder
+
+
+def _processor_only(folder: Path) -> Ernie45VL:
+    with torch.device("meta"):
+        return Ernie45VL.from_config(None, folder)
+
+
+def test_timestamps_are_drawn_when_the_checkpoint_asks(tmp_path: Path) -> None:
+    drawing = _processor_only(_drawing_folder(tmp_path / "on", draw=True))
+    plain = _processor_only(_drawing_folder(tmp_path / "off", draw=False))
+    assert drawing.processor_config.timestamp_font == str(tmp_path / "on" / "font.ttf")
+    assert plain.processor_config.timestamp_font is None
+    # Flat grey frames: any difference is the drawn text, which must sit in the top-left.
+    clip = np.full((3, 168, 224, 3), 128, dtype=np.uint8)
+    drawn = drawing.processor(videos=[clip])
+    bare = plain.processor(videos=[clip])
+    assert torch.equal(drawn["video_grid_thw"], bare["video_grid_thw"])
+    (t, gh, gw), = drawn["video_grid_thw"].tolist()
+    changed = (drawn["pixel_values_videos"] != bare["pixel_values_videos"]).any(-1)
+    # Rows are (frame, block row, block col, row in block, col in block): back to patch rows
+    # and columns per frame.
+    changed = changed.view(t, gh // 2, gw // 2, 2, 2).permute(0, 1, 3, 2, 4).reshape(t, gh, gw)
+    assert changed[:, 0, 0].all()  # every frame (the padding copy too) has its timestamp
+    # One line of text a tenth of the frame's shorter side high (168 px -> 16 px, with its
+    # outline under 28 px: two patch rows), from the left edge, never the bottom-right.
+    rows, cols = changed.any(0).nonzero(as_tuple=True)
+    assert rows.max() < 2 and cols.min() == 0 and cols.max() < gw - 1
+    assert not changed[:, 2:].any()
+    # The timestamp depends on fps: frame 1 at 24 fps is 00.04 s, at 1 fps 01.00 s.
+    assert not torch.equal(drawing.processor(videos=[clip], fps=1)["pixel_values_videos"],
+                           drawn["pixel_values_videos"])
+    with pytest.raises(ArgumentError) as e:
+        drawing.processor(videos=[clip], fps=0)
+    assert e.value.argument == "fps"
+
+
+def test_timestamp_text_and_a_missing_font(tmp_path: Path) -> None:
+    assert ernie4_5_vl._timestamp(0, 24.0) == "time: 00:00:00.00"
+    assert ernie4_5_vl._timestamp(7, 24.0) == "time: 00:00:00.29"
+    assert ernie4_5_vl._timestamp(3725, 1.0) == "time: 01:02:05.00"
+    folder = _drawing_folder(tmp_path)
+    (folder / "font.ttf").unlink()
+    with pytest.raises(ArgumentError) as e:
+        _processor_only(folder)
+    assert e.value.argument == "font"
+
+
 def test_processor_inputs_and_errors() -> None:
     model = models.load("ernie4.5-vl")
     one = model.processor(images=_rgb(56, 56, 0))
