@@ -1,8 +1,8 @@
 """Ernie4.5-VL processing: mmferry's processor against transformers' on the same media.
 
 Images against ``Ernie4_5_VLMoeImageProcessorPil``; videos against
-``Ernie4_5_VLMoeVideoProcessor`` (``draw_on_frames=False``), which needs torchvision: without
-it the video rows say so. For each set: outputs compared bit for bit, then both timed
+``Ernie4_5_VLMoeVideoProcessor`` without and with timestamps drawn on the frames, which needs
+torchvision: without it the video rows say so. For each set: outputs compared bit for bit, then both timed
 interleaved in rotating order, median over rounds.
 
     python3 benchmarks/ernie4_5_vl_processor.py [--rounds 7] [--threads 1]
@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import ImageFont
 
 import mmferry.models as mf_models
 from mmferry.media import samples
+from mmferry.models.ernie4_5_vl import Ernie45VL
 
 IMAGES = {
     "8 mixed images": [(448, 448), (640, 480), (375, 500), (1024, 768), (224, 336), (720, 1280),
@@ -28,6 +32,7 @@ IMAGES = {
 }
 VIDEOS = {
     "2 clips 16+9 frames": [(16, 360, 640), (9, 240, 320)],
+    "1 clip 200 frames": [(200, 120, 160)],
 }
 
 
@@ -80,13 +85,26 @@ def main() -> None:
         print(f"videos: transformers' video processor unavailable ({e})")
         return
     video = Ernie4_5_VLMoeVideoProcessor(draw_on_frames=False)
+    # With timestamps: the video processor's config saved beside a font (Pillow's embedded
+    # TrueType font), read back by our model as a checkpoint folder's processor files.
+    folder = Path(tempfile.mkdtemp())
+    font = folder / "font.ttf"
+    font.write_bytes(ImageFont.load_default(size=10).font_bytes)
+    drawing = Ernie4_5_VLMoeVideoProcessor(font=str(font))
+    drawing.save_pretrained(folder)
+    Ernie4_5_VLMoeImageProcessorPil().save_pretrained(folder)
+    with torch.device("meta"):
+        model_drawing = Ernie45VL.from_config(None, folder)
+    assert model_drawing.processor_config.timestamp_font is not None
     for label, shapes in VIDEOS.items():
         clips = [np.ascontiguousarray(samples.video_like(t, h, w, seed=i))
                  for i, (t, h, w) in enumerate(shapes)]
-        fns = {"mmferry": lambda x=clips: model.processor(videos=x),
-               "transformers": lambda x=clips: video(videos=x, return_tensors="pt")}
-        _row(label, "pixel_values_videos", fns["mmferry"](), fns["transformers"](),
-             "video_grid_thw", _median_seconds(fns, args.rounds))
+        for name, ours, theirs in ((label, model, video),
+                                   (f"{label}, timestamps", model_drawing, drawing)):
+            fns = {"mmferry": lambda x=clips, m=ours: m.processor(videos=x),
+                   "transformers": lambda x=clips, p=theirs: p(videos=x, return_tensors="pt")}
+            _row(name, "pixel_values_videos", fns["mmferry"](), fns["transformers"](),
+                 "video_grid_thw", _median_seconds(fns, args.rounds))
 
 
 if __name__ == "__main__":

@@ -246,8 +246,8 @@ def test_processor_inputs_and_errors() -> None:
         model.processor(images=[_rgb(56, 56, 0), b"junk"])
     assert e.value.source == "item 1"
     with pytest.raises(ArgumentError) as e:
-        model.processor(images=[_rgb(56, 56, 0)], fps=2)
-    assert e.value.argument == "fps"
+        model.processor(images=[_rgb(56, 56, 0)], num_frames=8)
+    assert e.value.argument == "num_frames"
     with pytest.raises(ArgumentError):
         model.processor(audios=[np.zeros(16000)])
 
