@@ -268,10 +268,9 @@ def _resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return y.permute(0, 2, 3, 1).numpy()
 
 
-def _sample_frames(frames: list[Image.Image], max_frames: int) -> list[int]:
-    """Indices of at most ``max_frames`` frames, evenly spaced, as the video processor
-    samples them."""
-    total = len(frames)
+def _sample_indices(total: int, max_frames: int) -> list[int]:
+    """Indices of at most ``max_frames`` of ``total`` frames, evenly spaced, as the video
+    processor samples them."""
     if total <= max_frames:
         return list(range(total))
     return torch.arange(0, total, total / max_frames).int().tolist()
@@ -292,10 +291,10 @@ def _draw_timestamps(frames: list[Image.Image], indices: list[int], fps: float,
                      font_path: str) -> list[Image.Image]:
     """Each frame with its timestamp in the top-left corner, black on a white outline, in a
     font a tenth of the shorter side, as the video processor draws them."""
+    size = int(min(*frames[0].size) * 0.1)  # the frames of a video share one size
+    font = ImageFont.truetype(font_path, size)
     out = []
     for frame, index in zip(frames, indices, strict=True):
-        size = int(min(*frame.size) * 0.1)
-        font = ImageFont.truetype(font_path, size)
         frame = frame.copy()
         ImageDraw.Draw(frame).text((0, 0), _timestamp(index, fps), font=font, fill=(0, 0, 0),
                                    stroke_width=int(size * 0.1), stroke_fill=(255, 255, 255))
@@ -637,7 +636,7 @@ class Ernie45VL(nn.Module):
         clips = []
         for i, source in enumerate(_as_videos(videos)):
             frames = load_video(source, index=i, max_frames=pc.max_frames)
-            indices = _sample_frames(frames, pc.max_frames)
+            indices = _sample_indices(len(frames), pc.max_frames)
             frames = [frames[j] for j in indices]
             if pc.timestamp_font is not None:
                 frames = _draw_timestamps(frames, indices, fps or 24.0, pc.timestamp_font)
