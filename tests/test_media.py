@@ -205,3 +205,26 @@ def test_video_files_are_sampled_evenly_and_limited(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(MediaError, match="holds no files"):
         load_video(empty)
+
+
+def test_processor_arguments_name_their_items_the_same_way_for_every_model(tmp_path: Path) -> None:
+    from mmferry.media import as_images, as_videos, samples
+
+    frame = samples.photo_like(8, 8)
+    assert as_images(None) == [] and as_videos(None) == []
+    assert len(as_images(frame)) == 1 and len(as_images(np.stack([frame] * 3))) == 3
+    assert as_images("a.png") == ["a.png"] and as_images(["a.png", b"x"]) == ["a.png", b"x"]
+    # Paths and bytes in videos= are video files (or folders), one video each...
+    assert as_videos(["a.mp4", "b.mp4"]) == ["a.mp4", "b.mp4"] and as_videos("a.mp4") == ["a.mp4"]
+    # ...decoded frames are one video given as its frames, as transformers takes them.
+    assert as_videos([frame, frame]) == [[frame, frame]]
+    assert len(as_videos(np.stack([frame] * 4))) == 1
+    assert len(as_videos([[frame], [frame, frame]])) == 2
+
+    import mmferry as mf
+
+    clip = _mp4(tmp_path / "clip.mp4", samples.video_like(4, 56, 56, seed=2))
+    model = mf.models.load("qwen2-vl")
+    out = model.processor(videos=[clip, samples.write_video(tmp_path / "f", samples.video_like(
+        2, 56, 56))], min_pixels=56 * 56, max_pixels=56 * 56)
+    assert out["video_grid_thw"].tolist() == [[2, 4, 4], [1, 4, 4]]

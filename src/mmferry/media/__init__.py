@@ -1,5 +1,6 @@
 """Media decoding with limits: every failure is a :class:`~mmferry.errors.MediaError`."""
 
+from mmferry.media.arguments import as_images, as_videos
 from mmferry.media.audio import (
     MAX_AUDIO_BYTES,
     MAX_AUDIO_SECONDS,
@@ -20,6 +21,8 @@ __all__ = [
     "MAX_PIXELS",
     "AudioSource",
     "ImageSource",
+    "as_images",
+    "as_videos",
     "decode_audio",
     "load_audio",
     "load_audios",

@@ -20,7 +20,6 @@ would never be used.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -37,6 +36,15 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, load_video
+from mmferry.media.arguments import as_images, as_videos
+from mmferry.models.blocks import (
+    ACTIVATIONS,
+    Mlp,
+    describe,
+    frame_attention,
+    frame_positions,
+    rotate_half,
+)
 from mmferry.models.checkpoint import read_json
 from mmferry.models.qwen2_vl import smart_resize
 from mmferry.transfer import host_and_device, upload
@@ -45,18 +53,6 @@ __all__ = ["TINY", "Ernie45VL", "ErnieConfig", "ProcessorConfig"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-_ACTIVATIONS = {
-    "quick_gelu": _quick_gelu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
 
 
 def _get(config: Mapping[str, Any], key: str, default: Any, kind: type | tuple[type, ...],
@@ -140,9 +136,9 @@ class ErnieConfig:
             raise ArgumentError(f"vision_config.hidden_size {out.width} must split into "
                                 f"{out.num_heads} heads of a size divisible by 4 (2-D rotary)",
                                 argument="config")
-        if out.hidden_act not in _ACTIVATIONS:
+        if out.hidden_act not in ACTIVATIONS:
             raise ArgumentError(f"vision_config.hidden_act {out.hidden_act!r} is not supported; "
-                                f"supported: {sorted(_ACTIVATIONS)}", argument="config")
+                                f"supported: {sorted(ACTIVATIONS)}", argument="config")
         if out.temporal_merge_size != 2:
             # The resampler pairs frames (even, odd); the reference supports nothing else.
             raise ArgumentError("vision_config.temporal_merge_size must be 2, got "
@@ -302,66 +298,7 @@ def _draw_timestamps(frames: list[Image.Image], indices: list[int], fps: float,
     return out
 
 
-def _is_frame(x: Any) -> bool:
-    return isinstance(x, Image.Image | str | os.PathLike | bytes | bytearray | memoryview) or (
-        isinstance(x, np.ndarray) and x.ndim <= 3
-    )
-
-
-def _as_list(images: Any) -> list[Any]:
-    if images is None:
-        return []
-    if _is_frame(images):
-        return [images]
-    return list(images)
-
-
-def _as_videos(videos: Any) -> list[Any]:
-    if videos is None:
-        return []
-    if isinstance(videos, np.ndarray) and videos.ndim == 4:
-        return [videos]
-    videos = list(videos)
-    # One video given as its frames, the way transformers accepts it.
-    if videos and _is_frame(videos[0]):
-        return [videos]
-    return videos
-
-
 # -- encoder -----------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=256)
-def _frame_positions(h: int, w: int, merge: int) -> np.ndarray:
-    """(row, column) of each patch of one ``h×w`` frame, in merge-block order, ``[h*w, 2]``."""
-    bh, bw = h // merge, w // merge
-    r = np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
-    c = np.arange(bw)[None, :, None, None] * merge + np.arange(merge)[None, None, None, :]
-    shape = (bh, bw, merge, merge)
-    pos = np.stack([np.broadcast_to(r, shape), np.broadcast_to(c, shape)], axis=-1)
-    pos = pos.reshape(h * w, 2).astype(np.int32)
-    pos.setflags(write=False)
-    return pos
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def _frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Attention within each frame: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
-    (frames, frame length) of consecutive equal-length frames covering the n rows. A run is a
-    view of one ``[frames, heads, length, head_dim]`` batch, so it costs one SDPA call."""
-    outs, start = [], 0
-    for count, length in runs:
-        end = start + count * length
-        q_, k_, v_ = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q_, k_, v_)
-        outs.append(o.transpose(1, 2).flatten(0, 1))
-        start = end
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
 
 
 class Attention(nn.Module):
@@ -377,20 +314,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
         # Rotary in float32 whatever the weights' dtype, as the reference does.
         qf, kf = q.float(), k.float()
-        q = (qf * cos + _rotate_half(qf) * sin).to(v.dtype)
-        k = (kf * cos + _rotate_half(kf) * sin).to(v.dtype)
-        return self.proj(_frame_attention(q, k, v, runs))
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = _ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        q = (qf * cos + rotate_half(qf) * sin).to(v.dtype)
+        k = (kf * cos + rotate_half(kf) * sin).to(v.dtype)
+        return self.proj(frame_attention(q, k, v, runs))
 
 
 class Block(nn.Module):
@@ -439,7 +365,7 @@ class VisionTransformer(nn.Module):
         """``pixels`` ``[Σ t·h·w, C·P·P]`` on the device, ``grid`` host ints per item."""
         merge = self.cfg.spatial_merge_size
         positions = np.concatenate(
-            [np.tile(_frame_positions(h, w, merge), (t, 1)) for t, h, w in grid])
+            [np.tile(frame_positions(h, w, merge), (t, 1)) for t, h, w in grid])
         runs: list[tuple[int, int]] = []
         for t, h, w in grid:
             if runs and runs[-1][1] == h * w:
@@ -524,12 +450,6 @@ _FIELDS = {
     "image": ("pixel_values", "image_grid_thw"),
     "video": ("pixel_values_videos", "video_grid_thw"),
 }
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    return type(value).__name__
 
 
 def _grid_rows(name: str, grid: Any) -> list[tuple[int, int, int]]:
@@ -629,12 +549,12 @@ class Ernie45VL(nn.Module):
                                 argument="audios")
         pc = self.processor_config
         out: dict[str, torch.Tensor] = {}
-        loaded = [load_image(x, index=i) for i, x in enumerate(_as_list(images))]
+        loaded = [load_image(x, index=i) for i, x in enumerate(as_images(images))]
         if loaded:
             self._process(out, "image", [[img] for img in loaded], min_pixels or pc.min_pixels,
                           max_pixels or pc.max_pixels)
         clips = []
-        for i, source in enumerate(_as_videos(videos)):
+        for i, source in enumerate(as_videos(videos)):
             frames = load_video(source, index=i, max_frames=pc.max_frames)
             indices = _sample_indices(len(frames), pc.max_frames)
             frames = [frames[j] for j in indices]
@@ -725,7 +645,7 @@ class Ernie45VL(nn.Module):
             raise ContractError(f"not an ernie4.5-vl {modality} field", field=sorted(unknown)[0])
         grid = item[grid_name]
         if not isinstance(grid, torch.Tensor) or grid.shape != (3,) or grid.is_floating_point():
-            raise ContractError(f"expected one integer (t, h, w) row, got {_describe(grid)}",
+            raise ContractError(f"expected one integer (t, h, w) row, got {describe(grid)}",
                                 field=grid_name)
         rows = _grid_rows(grid_name, [grid])
         self._check_grid(grid_name, rows)
@@ -735,7 +655,7 @@ class Ernie45VL(nn.Module):
         if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
                 or tuple(value.shape) != (t * h * w, width)):
             raise ContractError(f"expected floating point [{t * h * w}, {width}] from {grid_name} "
-                                f"{(t, h, w)}, got {_describe(value)}", field=values)
+                                f"{(t, h, w)}, got {describe(value)}", field=values)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """From the item's host grid: ``h·w / merge²`` for an image, ``t·h·w / (merge² ·

@@ -42,6 +42,7 @@ from mmferry.errors import ArgumentError, CheckpointError, ContractError, MediaE
 from mmferry.fields import FieldSpec
 from mmferry.media import load_audio, source_name
 from mmferry.media.samples import speech_like
+from mmferry.models.blocks import describe
 from mmferry.models.checkpoint import read_json
 from mmferry.transfer import host_and_device, upload
 
@@ -447,19 +448,13 @@ class ConformerEncoder(nn.Module):
 FEATURES, LENGTHS, FAKE = "input_features", "speech_lengths", "fake_token_lengths"
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    return type(value).__name__
-
-
 def _int_scalar(item: Mapping[str, Any], name: str) -> int:
     value = item.get(name)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         return int(value.reshape(()))
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise ContractError(f"expected one integer, got {_describe(value)}", field=name)
+    raise ContractError(f"expected one integer, got {describe(value)}", field=name)
 
 
 class FireRedLID(nn.Module):
@@ -589,7 +584,7 @@ class FireRedLID(nn.Module):
         if (not isinstance(feats, torch.Tensor) or not feats.is_floating_point()
                 or tuple(feats.shape) != shape):
             raise ContractError(f"expected floating point {list(shape)} from {LENGTHS}, got "
-                                f"{_describe(feats)}", field=FEATURES)
+                                f"{describe(feats)}", field=FEATURES)
         if FAKE in item:
             _int_scalar(item, FAKE)
 

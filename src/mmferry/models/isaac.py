@@ -40,6 +40,8 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, source_name
+from mmferry.media.arguments import as_images
+from mmferry.models.blocks import describe
 from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import host_and_device, upload
 
@@ -220,14 +222,6 @@ def _patchify_into(out: np.ndarray, pixels: np.ndarray, patch: int) -> None:
     h, w = height // patch, width // patch
     ordered = pixels.reshape(h, patch, w, patch, c).transpose(0, 2, 1, 3, 4)
     np.take(_normalise_table(), ordered.reshape(h * w, patch * patch * c), out=out, mode="clip")
-
-
-def _as_list(images: Any) -> list[Any]:
-    if images is None:
-        return []
-    if isinstance(images, list | tuple) or (isinstance(images, np.ndarray) and images.ndim == 4):
-        return list(images)
-    return [images]
 
 
 # -- encoder -----------------------------------------------------------------------------
@@ -414,12 +408,6 @@ class VisionEmbedding(nn.Sequential):
 _PIXELS, _GRID = "pixel_values", "image_grid_thw"
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    return type(value).__name__
-
-
 def _grid_rows(grid: Any) -> list[tuple[int, int, int]]:
     """``image_grid_thw`` (a batch's ``[n, 3]`` tensor or a list of rows) as host ints."""
     if isinstance(grid, torch.Tensor | np.ndarray):
@@ -494,7 +482,7 @@ class IsaacModel(nn.Module):
         max_n = pc.max_num_patches if max_num_patches is None else max_num_patches
         min_n = pc.min_num_patches if min_num_patches is None else min_num_patches
         check_patch_bounds(max_n, min_n, self.config.patch_size, argument="options")
-        sources = _as_list(images)
+        sources = as_images(images)
         loaded = [load_image(x, index=i, max_pixels=MAX_PIXELS) for i, x in enumerate(sources)]
         if not loaded:
             return {}
@@ -542,7 +530,7 @@ class IsaacModel(nn.Module):
             raise ContractError("not an isaac field", field=sorted(unknown)[0])
         grid = item.get(_GRID)
         if not isinstance(grid, torch.Tensor) or grid.shape != (3,) or grid.is_floating_point():
-            raise ContractError(f"expected one integer (t, h, w) row, got {_describe(grid)}",
+            raise ContractError(f"expected one integer (t, h, w) row, got {describe(grid)}",
                                 field=_GRID)
         ((t, h, w),) = _grid_rows([grid])
         self._check_grid([(t, h, w)])
@@ -552,7 +540,7 @@ class IsaacModel(nn.Module):
         if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
                 or tuple(value.shape) != (rows, cols)):
             raise ContractError(f"expected floating point [{rows}, {cols}] from {_GRID} "
-                                f"{(t, h, w)}, got {_describe(value)}", field=_PIXELS)
+                                f"{(t, h, w)}, got {describe(value)}", field=_PIXELS)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """``t·h·w / r²`` from the item's host grid."""

@@ -41,6 +41,8 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, load_video
+from mmferry.media.arguments import as_images, as_videos
+from mmferry.models.blocks import describe
 from mmferry.models.checkpoint import read_json
 from mmferry.models.qwen2_vl import CLIP_MEAN, CLIP_STD, smart_resize
 
@@ -229,27 +231,6 @@ def patch_positions(grid: Sequence[tuple[int, int, int]], merge: int) -> torch.T
     return torch.from_numpy(out)
 
 
-def _is_frame(x: Any) -> bool:
-    return isinstance(x, Image.Image | str | bytes | bytearray | memoryview) or (
-        isinstance(x, np.ndarray) and x.ndim <= 3) or hasattr(x, "__fspath__")
-
-
-def _as_list(images: Any) -> list[Any]:
-    if images is None:
-        return []
-    return [images] if _is_frame(images) else list(images)
-
-
-def _as_videos(videos: Any) -> list[Any]:
-    if videos is None:
-        return []
-    if isinstance(videos, np.ndarray) and videos.ndim == 4:
-        return [videos]
-    videos = list(videos)
-    # One video given as its frames, the way transformers accepts it.
-    return [videos] if videos and _is_frame(videos[0]) else videos
-
-
 # -- encoder -----------------------------------------------------------------------------
 
 
@@ -419,19 +400,13 @@ _VIDEO_HOST = ("video_num_frames", "frame_timestamps", "video_is_codec", "codec_
 _FIELDS = {"image": _IMAGE, "video": _VIDEO}
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    return type(value).__name__
-
-
 def _grid_rows(name: str, grid: Any) -> list[tuple[int, int, int]]:
     """Host ``(t, h, w)`` rows of a grid: a ``[rows, 3]`` tensor or a list of them."""
     if isinstance(grid, list | tuple):
         grid = torch.cat([torch.as_tensor(g).reshape(-1, 3) for g in grid]) if grid else \
             torch.empty(0, 3, dtype=torch.int64)
     if not isinstance(grid, torch.Tensor | np.ndarray) or grid.ndim != 2 or grid.shape[1] != 3:
-        raise ContractError(f"expected integer [rows, 3], got {_describe(grid)}", field=name)
+        raise ContractError(f"expected integer [rows, 3], got {describe(grid)}", field=name)
     return [(int(t), int(h), int(w)) for t, h, w in grid.tolist()]
 
 
@@ -518,11 +493,11 @@ class LlavaOnevision2(nn.Module):
         pc = self.processor_config
         bounds = (min_pixels or pc.min_pixels, max_pixels or pc.max_pixels)
         out: dict[str, torch.Tensor] = {}
-        images = [load_image(x, index=i) for i, x in enumerate(_as_list(images))]
+        images = [load_image(x, index=i) for i, x in enumerate(as_images(images))]
         if images:
             pixels, grid, positions = self._frames(images, *bounds, source="item")
             out.update(pixel_values=pixels, image_grid_thw=grid, patch_positions=positions)
-        videos = [load_video(v, index=i) for i, v in enumerate(_as_videos(videos))]
+        videos = [load_video(v, index=i) for i, v in enumerate(as_videos(videos))]
         if videos:
             rates = self._rates(fps, len(videos))
             frames: list[Image.Image] = []
@@ -638,7 +613,7 @@ class LlavaOnevision2(nn.Module):
         grid_name = names[1]
         grid = item.get(grid_name)
         if not isinstance(grid, torch.Tensor) or grid.is_floating_point():
-            raise ContractError(f"expected integer (t, h, w) rows, got {_describe(grid)}",
+            raise ContractError(f"expected integer (t, h, w) rows, got {describe(grid)}",
                                 field=grid_name)
         rows = _grid_rows(grid_name, grid.reshape(1, -1) if modality == "image" else grid)
         merge = self.config.spatial_merge_size
@@ -652,7 +627,7 @@ class LlavaOnevision2(nn.Module):
             if not isinstance(frames, torch.Tensor) or frames.numel() != 1 or \
                     int(frames) != len(rows):
                 raise ContractError(f"expected the item's frame count {len(rows)}, got "
-                                    f"{_describe(frames)}", field="video_num_frames")
+                                    f"{describe(frames)}", field="video_num_frames")
         values, _, positions = names[:3]
         width = self.config.num_channels * self.config.patch_size ** 2
         checks = [(values, patches, width, True), (positions, patches, 3, False)]
@@ -666,7 +641,7 @@ class LlavaOnevision2(nn.Module):
                     or tuple(value.shape) != (n, cols)):
                 kind = "floating point" if floating else "integer"
                 raise ContractError(f"expected {kind} [{n}, {cols}] from {grid_name} {rows}, "
-                                    f"got {_describe(value)}", field=name)
+                                    f"got {describe(value)}", field=name)
         if modality == "image" and ("image_embeds" in item) == (values in item):
             raise ContractError(f"an item holds {values} or image_embeds", field=values)
         if modality == "video" and values not in item:

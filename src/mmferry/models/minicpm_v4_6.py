@@ -18,7 +18,6 @@ no padding mask exists; after the window merger the new sizes are the host's ``s
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
@@ -35,6 +34,8 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, load_video
+from mmferry.media.arguments import as_images, as_videos
+from mmferry.models.blocks import describe
 from mmferry.models.checkpoint import read_json
 from mmferry.transfer import upload
 
@@ -322,30 +323,6 @@ def _layout(slices: list[np.ndarray], patch: int, table: np.ndarray) -> tuple[to
     return out, torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2)
 
 
-def _as_images(images: Any) -> list[Any]:
-    if images is None:
-        return []
-    if isinstance(images, list | tuple):
-        return list(images)
-    if isinstance(images, np.ndarray) and images.ndim == 4:
-        return list(images)
-    return [images]
-
-
-def _as_videos(videos: Any) -> list[Any]:
-    if videos is None:
-        return []
-    if isinstance(videos, np.ndarray) and videos.ndim == 4:
-        return [videos]
-    videos = list(videos)
-    # One video given as its frames, the way transformers accepts it.
-    first = videos[0] if videos else None
-    if isinstance(first, Image.Image | str | os.PathLike | bytes | bytearray | memoryview) or (
-            isinstance(first, np.ndarray) and first.ndim <= 3):
-        return [videos]
-    return videos
-
-
 # -- encoder ----------------------------------------------------------------------------
 
 
@@ -527,18 +504,12 @@ _FIELDS = {
 }
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    return type(value).__name__
-
-
 def _size_rows(name: str, value: Any) -> list[list[tuple[int, int]]]:
     """Per item, its slices' (h, w) patch grids, from a batched ``(B, n, 2)`` tensor or a
     list of ``(n, 2)`` tensors (host values)."""
     if isinstance(value, torch.Tensor):
         if value.ndim != 3 or value.shape[-1] != 2 or value.is_floating_point():
-            raise ContractError(f"expected integer [items, slices, 2], got {_describe(value)}",
+            raise ContractError(f"expected integer [items, slices, 2], got {describe(value)}",
                                 field=name)
         rows = value.tolist()
     elif isinstance(value, list | tuple):
@@ -546,10 +517,10 @@ def _size_rows(name: str, value: Any) -> list[list[tuple[int, int]]]:
             if (not isinstance(v, torch.Tensor) or v.ndim != 2 or v.shape[-1] != 2
                     or v.is_floating_point()):
                 raise ContractError(f"expected integer [slices, 2] per item, got "
-                                    f"{_describe(v)}", field=name)
+                                    f"{describe(v)}", field=name)
         rows = [v.tolist() for v in value]
     else:
-        raise ContractError(f"expected a tensor or a list, got {_describe(value)}", field=name)
+        raise ContractError(f"expected a tensor or a list, got {describe(value)}", field=name)
     return [[(int(h), int(w)) for h, w in item] for item in rows]
 
 
@@ -562,7 +533,7 @@ def _flag_rows(name: str, value: Any, items: int, default: bool) -> list[bool]:
     elif isinstance(value, list | tuple):
         flags = [f for v in value for f in torch.as_tensor(v).reshape(-1).tolist()]
     else:
-        raise ContractError(f"expected a tensor or a list, got {_describe(value)}", field=name)
+        raise ContractError(f"expected a tensor or a list, got {describe(value)}", field=name)
     if len(flags) != items:
         raise ContractError(f"expected one flag per item ({items}), got {len(flags)}",
                             field=name)
@@ -669,14 +640,14 @@ class MiniCPMV46(nn.Module):
         def slices(img: Image.Image, limit: int) -> list[np.ndarray]:
             return _image_slices(img, limit, resolution, pc.patch_size, mode, pc.slice_mode)
 
-        images = [load_image(x, index=i) for i, x in enumerate(_as_images(images))]
+        images = [load_image(x, index=i) for i, x in enumerate(as_images(images))]
         if images:
             laid = [_layout(slices(img, max_slice_nums or pc.max_slice_nums), pc.patch_size,
                             table) for img in images]
             out["pixel_values"] = [p for p, _ in laid]
             out["tgt_sizes"] = [s for _, s in laid]
             out["use_vit_merger"] = torch.full((len(images), 1), flag, dtype=torch.bool)
-        videos = [load_video(v, index=i) for i, v in enumerate(_as_videos(videos))]
+        videos = [load_video(v, index=i) for i, v in enumerate(as_videos(videos))]
         if videos:
             pixels, sizes, frame_sizes = [], [], []
             for frames in videos:
@@ -758,12 +729,12 @@ class MiniCPMV46(nn.Module):
         sizes = item.get(sizes_name)
         if (not isinstance(sizes, torch.Tensor) or sizes.ndim != 2 or sizes.shape[1] != 2
                 or sizes.shape[0] < 1 or sizes.is_floating_point()):
-            raise ContractError(f"expected integer [slices, 2], got {_describe(sizes)}",
+            raise ContractError(f"expected integer [slices, 2], got {describe(sizes)}",
                                 field=sizes_name)
         rows = _size_rows(sizes_name, [sizes])[0]
         flag = item.get(names["flag"])
         if flag is not None and (not isinstance(flag, torch.Tensor) or flag.numel() != 1):
-            raise ContractError(f"expected one flag, got {_describe(flag)}", field=names["flag"])
+            raise ContractError(f"expected one flag, got {describe(flag)}", field=names["flag"])
         merged = _flag_rows(names["flag"], flag, 1, self.config.merger_default)[0]
         dh, dw = self._divisor(merged)
         if any(h < 1 or w < 1 or h % dh or w % dw for h, w in rows):
@@ -775,7 +746,7 @@ class MiniCPMV46(nn.Module):
             if (not isinstance(frames, torch.Tensor) or frames.ndim != 2 or frames.shape[1] != 2
                     or frames.shape[0] < 1 or len(rows) % frames.shape[0]):
                 raise ContractError(f"expected [frames, 2] whose frames split the {len(rows)} "
-                                    f"slices evenly, got {_describe(frames)}",
+                                    f"slices evenly, got {describe(frames)}",
                                     field=names["frames"])
         pixels_name, embeds_name = names["pixels"], names["embeds"]
         if (pixels_name in item) == (embeds_name in item):
@@ -791,14 +762,14 @@ class MiniCPMV46(nn.Module):
                 raise ContractError(
                     f"expected floating point [{len(rows)}, {cfg.num_channels}, "
                     f"{cfg.patch_size}, L >= {longest}] with L a multiple of "
-                    f"{cfg.patch_size}, got {_describe(p)}", field=pixels_name)
+                    f"{cfg.patch_size}, got {describe(p)}", field=pixels_name)
         else:
             e = item[embeds_name]
             tokens = self._item_tokens(rows, merged)
             if (not isinstance(e, torch.Tensor) or not e.is_floating_point()
                     or tuple(e.shape) != (tokens, self.hidden_size)):
                 raise ContractError(f"expected floating point [{tokens}, {self.hidden_size}] "
-                                    f"from {sizes_name}, got {_describe(e)}", field=embeds_name)
+                                    f"from {sizes_name}, got {describe(e)}", field=embeds_name)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """Σ over the item's slices of ``h·w / 16`` with the window merger ("16x"), ``h·w / 4``

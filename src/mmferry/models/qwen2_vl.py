@@ -13,7 +13,6 @@ meets device kernels, the rotary position table, is uploaded once per call.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -30,6 +29,15 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, load_video
+from mmferry.media.arguments import as_images, as_videos
+from mmferry.models.blocks import (
+    ACTIVATIONS,
+    Mlp,
+    describe,
+    frame_attention,
+    frame_positions,
+    rotate_half,
+)
 from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import upload
 
@@ -82,9 +90,9 @@ class VisionConfig:
             raise ArgumentError(
                 f"embed_dim {out.embed_dim} must split into {out.num_heads} heads of a size "
                 "divisible by 4 (2-D rotary)", argument="config")
-        if out.hidden_act not in _ACTIVATIONS:
+        if out.hidden_act not in ACTIVATIONS:
             raise ArgumentError(f"unsupported hidden_act {out.hidden_act!r}; supported: "
-                                f"{sorted(_ACTIVATIONS)}", argument="config")
+                                f"{sorted(ACTIVATIONS)}", argument="config")
         return out
 
 
@@ -216,63 +224,7 @@ def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
     return np.asarray(img)
 
 
-def _is_frame(x: Any) -> bool:
-    return isinstance(x, Image.Image | str | os.PathLike | bytes | bytearray | memoryview) or (
-        isinstance(x, np.ndarray) and x.ndim <= 3
-    )
-
-
-def _as_list(images: Any) -> list[Any]:
-    if images is None:
-        return []
-    if _is_frame(images):
-        return [images]
-    return list(images)
-
-
-def _as_videos(videos: Any) -> list[Any]:
-    if videos is None:
-        return []
-    if isinstance(videos, np.ndarray) and videos.ndim == 4:
-        return [videos]
-    videos = list(videos)
-    # One video given as its frames, the way transformers accepts it.
-    if videos and _is_frame(videos[0]):
-        return [videos]
-    return videos
-
-
 # -- encoder -----------------------------------------------------------------------------
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-_ACTIVATIONS = {
-    "quick_gelu": _quick_gelu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
-
-
-@lru_cache(maxsize=256)
-def _frame_positions(h: int, w: int, merge: int) -> np.ndarray:
-    """(row, column) of each patch of one ``h×w`` frame, in merge-block order, ``[h*w, 2]``."""
-    bh, bw = h // merge, w // merge
-    r = np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
-    c = np.arange(bw)[None, :, None, None] * merge + np.arange(merge)[None, None, None, :]
-    shape = (bh, bw, merge, merge)
-    pos = np.stack([np.broadcast_to(r, shape), np.broadcast_to(c, shape)], axis=-1)
-    pos = pos.reshape(h * w, 2).astype(np.int32)
-    pos.setflags(write=False)
-    return pos
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 class Attention(nn.Module):
@@ -288,35 +240,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
         # Rotary in float32 whatever the weights' dtype, as the reference does.
         qf, kf = q.float(), k.float()
-        q = (qf * cos + _rotate_half(qf) * sin).to(v.dtype)
-        k = (kf * cos + _rotate_half(kf) * sin).to(v.dtype)
-        return self.proj(_frame_attention(q, k, v, runs))
-
-
-def _frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Attention within each frame: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
-    (frames, frame length) of consecutive equal-length frames covering the n rows. A run is a
-    view of one ``[frames, heads, length, head_dim]`` batch, so it costs one SDPA call."""
-    outs, start = [], 0
-    for count, length in runs:
-        end = start + count * length
-        q_, k_, v_ = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q_, k_, v_)
-        outs.append(o.transpose(1, 2).flatten(0, 1))
-        start = end
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = _ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        q = (qf * cos + rotate_half(qf) * sin).to(v.dtype)
+        k = (kf * cos + rotate_half(kf) * sin).to(v.dtype)
+        return self.proj(frame_attention(q, k, v, runs))
 
 
 class Block(nn.Module):
@@ -381,7 +307,7 @@ class VisionTower(nn.Module):
         """``pixels`` ``[sum t*h*w, C*T*P*P]`` on the device, ``grid`` host ints per item."""
         merge = self.cfg.spatial_merge_size
         positions = np.concatenate(
-            [np.tile(_frame_positions(h, w, merge), (t, 1)) for t, h, w in grid]
+            [np.tile(frame_positions(h, w, merge), (t, 1)) for t, h, w in grid]
         )
         runs: list[tuple[int, int]] = []
         for t, h, w in grid:
@@ -405,12 +331,6 @@ _FIELDS = {
     "image": ("pixel_values", "image_grid_thw", "image_embeds"),
     "video": ("pixel_values_videos", "video_grid_thw", "video_embeds"),
 }
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    return type(value).__name__
 
 
 def _grid_rows(name: str, grid: Any) -> list[tuple[int, int, int]]:
@@ -492,7 +412,7 @@ class Qwen2VL(nn.Module):
                                     ("video", pc.video_min_pixels, pc.video_max_pixels)):
             bounds[modality] = (low if min_pixels is None else min_pixels,
                                 high if max_pixels is None else max_pixels)
-        images, videos = _as_list(images), _as_videos(videos)
+        images, videos = as_images(images), as_videos(videos)
         for modality, media in (("image", images), ("video", videos)):
             if media:
                 check_resize_bounds(*bounds[modality], argument="options")
@@ -571,7 +491,7 @@ class Qwen2VL(nn.Module):
             raise ContractError(f"not a qwen2-vl {modality} field", field=sorted(unknown)[0])
         grid = item[grid_name]
         if not isinstance(grid, torch.Tensor) or grid.shape != (3,) or grid.is_floating_point():
-            raise ContractError(f"expected one integer (t, h, w) row, got {_describe(grid)}",
+            raise ContractError(f"expected one integer (t, h, w) row, got {describe(grid)}",
                                 field=grid_name)
         (t, h, w), merge = _grid_rows(grid_name, [grid])[0], self.config.spatial_merge_size
         if min(t, h, w) < 1 or h % merge or w % merge:
@@ -587,7 +507,7 @@ class Qwen2VL(nn.Module):
             if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
                     or tuple(value.shape) != (rows, cols)):
                 raise ContractError(f"expected floating point [{rows}, {cols}] from {grid_name} "
-                                    f"{(t, h, w)}, got {_describe(value)}", field=name)
+                                    f"{(t, h, w)}, got {describe(value)}", field=name)
         if (values in item) == (embeds in item):
             raise ContractError(f"an item holds {values} or {embeds}", field=values)
 

@@ -1,0 +1,87 @@
+"""Building blocks several models share: activations, 2-D rotary helpers, attention within
+frames, the two-layer MLP, and how error messages describe a value. Not a model: nothing
+here is registered."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ACTIVATIONS",
+    "Mlp",
+    "describe",
+    "frame_attention",
+    "frame_positions",
+    "quick_gelu",
+    "rotate_half",
+]
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+@lru_cache(maxsize=256)
+def frame_positions(h: int, w: int, merge: int) -> np.ndarray:
+    """(row, column) of each patch of one ``h×w`` frame, in merge-block order, ``[h*w, 2]``."""
+    bh, bw = h // merge, w // merge
+    r = np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
+    c = np.arange(bw)[None, :, None, None] * merge + np.arange(merge)[None, None, None, :]
+    shape = (bh, bw, merge, merge)
+    pos = np.stack([np.broadcast_to(r, shape), np.broadcast_to(c, shape)], axis=-1)
+    pos = pos.reshape(h * w, 2).astype(np.int32)
+    pos.setflags(write=False)
+    return pos
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Attention within each frame: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
+    (frames, frame length) of consecutive equal-length frames covering the n rows. A run is a
+    view of one ``[frames, heads, length, head_dim]`` batch, so it costs one SDPA call."""
+    outs, start = [], 0
+    for count, length in runs:
+        end = start + count * length
+        q_, k_, v_ = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q_, k_, v_)
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+        start = end
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    return type(value).__name__
+
