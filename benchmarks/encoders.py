@@ -49,7 +49,7 @@ def main() -> int:
             ours, reference = module.build(depth=args.depth)
         except ImportError as e:
             rows.append((module.NAME, module.REFERENCE, "-", "-", "-", "-",
-                         f"reference unavailable ({e})"))
+                         f"reference unavailable ({str(e).splitlines()[0]})"))
             continue
         diff = (ours().float() - reference().float()).abs().max().item()
         ok = diff <= args.atol
