@@ -307,8 +307,7 @@ class MossTranscribeDiarize(nn.Module):
         weight = self.multi_modal_projector.linear_1.weight
         if not lengths:
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        hidden = self.audio_tower(features, audio.max_source_positions)
-        kept = torch.cat([hidden[c, :n * merge] for c, n in enumerate(lengths)])
+        kept = self.audio_tower.first_rows(features, [n * merge for n in lengths])
         return self.multi_modal_projector(kept.reshape(-1, merge * audio.d_model))
 
     def dummy_inputs(self) -> dict[str, torch.Tensor]:

@@ -318,17 +318,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None,
+                queries: int | None = None) -> torch.Tensor:
+        """Every row of ``x`` is a key; the first ``queries`` rows (all when None) query."""
         b, n, _ = x.shape
+        m = n if queries is None else queries
         # The query is scaled before the product, as Whisper does (and its checkpoints expect
-        # to the last bit).
-        # Heads made contiguous: the CPU attention kernel runs ~15% faster on them than on
-        # the strided views, for a copy of a few percent of its time.
-        q = (self.q_proj(x) * self.scaling).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
+        # to the last bit). Heads are made contiguous: the CPU attention kernel runs ~15%
+        # faster on them than on strided views, for a copy of a few percent of its time.
+        q = (self.q_proj(x[:, :m]) * self.scaling).view(b, m, self.heads, -1).transpose(1, 2).contiguous()
         k = self.k_proj(x).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
         v = self.v_proj(x).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=1.0)
-        return self.out_proj(o.transpose(1, 2).reshape(b, n, -1))
+        return self.out_proj(o.transpose(1, 2).reshape(b, m, -1))
 
 
 class EncoderLayer(nn.Module):
@@ -343,8 +345,11 @@ class EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.act = _ACTIVATIONS[cfg.activation_function]
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                rows: int | None = None) -> torch.Tensor:
+        """``rows``: only the first ``rows`` outputs are wanted (all positions stay keys)."""
+        attended = self.self_attn(self.self_attn_layer_norm(x), key_mask, rows)
+        x = (x if rows is None else x[:, :rows]) + attended
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
@@ -387,6 +392,24 @@ class AudioEncoder(nn.Module):
             x = layer(x, key_mask)
         if pool > 1:
             x = x.unflatten(1, (positions // pool, pool)).mean(dim=2)
+        return self.layer_norm(x)
+
+
+    def first_rows(self, features: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Every position of each ``[mels, frames]`` row of ``features`` runs through the
+        layers with full attention (Whisper's own use: no mask), and the first ``rows[i]``
+        outputs of row i come back, concatenated: ``[Σ rows, d]``. The last layer computes
+        only the rows wanted (its keys still cover every position): the same numbers as the
+        full run, with less of the last layer's work for a chunk that is mostly padding."""
+        positions = self.cfg.max_source_positions
+        x = self.embed(features, positions)
+        *layers, last = self.layers
+        for layer in layers:
+            x = layer(x)
+        if all(n == positions for n in rows):
+            x = last(x).flatten(0, 1)
+        else:
+            x = torch.cat([last(x[i:i + 1], rows=n)[0] for i, n in enumerate(rows)])
         return self.layer_norm(x)
 
 
