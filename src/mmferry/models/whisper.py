@@ -25,6 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from torch import nn
 
 from mmferry.errors import ArgumentError
 from mmferry.media import samples
+from mmferry.models.checkpoint import read_json
 
 __all__ = [
     "AudioEncoder",
@@ -41,6 +43,7 @@ __all__ = [
     "EncoderLayer",
     "FeatureConfig",
     "dummy_clip",
+    "features_from_folder",
     "log_mel",
     "mel_filters",
 ]
@@ -103,6 +106,20 @@ class FeatureConfig:
             raise ArgumentError("dithering adds random noise; only 0.0 is supported",
                                 argument="dither")
         return out
+
+
+def features_from_folder(folder: Path | None, base: FeatureConfig) -> FeatureConfig:
+    """The features a checkpoint folder's processor files set, as ``from_pretrained`` reads
+    them: ``preprocessor_config.json``, else the ``feature_extractor`` entry of a combined
+    ``processor_config.json``; ``base`` where the folder has neither (or for ``None``)."""
+    if folder is None:
+        return base
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if (folder / name).is_file():
+            config = read_json(folder, name)
+            if name == "preprocessor_config.json" or "feature_extractor" in config:
+                return FeatureConfig.from_dict(config, base)
+    return base
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
