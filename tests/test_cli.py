@@ -91,7 +91,7 @@ def test_item_over_the_step_budget_fails_alone() -> None:
     assert result.exit_code == 1
     rows = [line.split() for line in result.stdout.splitlines()[1:4]]
     assert [r[3] for r in rows] == ["miss", "error", "repeat"]
-    assert "280 tokens, more than the step budget of 260" in result.stderr
+    assert "280 tokens, more than max_tokens_per_step=260" in result.stderr
 
 
 def test_encode_takes_video_files_frame_folders_and_refuses_other_modalities(
@@ -119,3 +119,103 @@ def test_encode_takes_video_files_frame_folders_and_refuses_other_modalities(
     assert rows["clip.mp4"][1] == rows["frames"][1] != "-"
     assert rows["speech.wav"][3] == "error"
     assert "speech.wav: is audio; qwen2-vl takes image, video" in result.stderr
+
+
+def test_directories_fifos_and_non_images_are_per_file_errors(images: list[Path],
+                                                              tmp_path: Path) -> None:
+    import os
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    result = CliRunner().invoke(main, ["encode", str(folder), str(images[0]), str(fifo),
+                                       str(text), str(images[1])])
+    assert result.exit_code == 1
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:6]}
+    assert rows["img0.png"][3] == "miss" and rows["img1.png"][3] == "miss"
+    for name, why in (("a-folder", "holds no files"), ("pipe.png", "not a regular file"),
+                      ("notes.png", "cannot identify")):
+        assert rows[name][3] == "error"
+        assert any(name in e and why in e for e in result.stderr.splitlines()), result.stderr
+    assert "Traceback" not in result.output
+
+
+def _checkpoint(tmp_path: Path, vision: dict) -> Path:
+    import json
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2_vl", "vision_config": vision}))
+    return folder
+
+
+@pytest.mark.parametrize(("vision", "key"), [
+    ({"depth": "two"}, "vision_config.depth"),
+    ({"embed_dim": 0}, "vision_config.embed_dim"),
+    ({"num_heads": 0}, "vision_config.num_heads"),
+    ({"rope_theta": "ten thousand"}, "vision_config.rope_theta"),
+    ({"patch_size": 14.5}, "vision_config.patch_size"),
+    ({"mlp_ratio": None}, "vision_config.mlp_ratio"),
+    ({"hidden_act": 3}, "vision_config.hidden_act"),
+    ({"depth": True}, "vision_config.depth"),
+])
+def test_bad_config_values_are_one_line_usage_errors(tmp_path: Path, vision: dict,
+                                                     key: str) -> None:
+    folder = _checkpoint(tmp_path, {"depth": 1, "embed_dim": 32, "num_heads": 2,
+                                    "hidden_size": 64, **vision})
+    result = CliRunner().invoke(main, ["encode", "--samples", "1", "--weights", str(folder)])
+    assert result.exit_code == 2, result.output
+    assert key in result.output and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("problem", ["bad json", "no weights", "json list"])
+def test_bad_weights_folders_are_usage_errors(tmp_path: Path, problem: str) -> None:
+    folder = _checkpoint(tmp_path, {"depth": 1, "embed_dim": 32, "num_heads": 2,
+                                    "hidden_size": 64})
+    if problem == "bad json":
+        (folder / "config.json").write_text("{not json")
+    elif problem == "json list":
+        (folder / "config.json").write_text("[1, 2]")
+    result = CliRunner().invoke(main, ["encode", "--samples", "1", "--weights", str(folder)])
+    assert result.exit_code == 2, result.output
+    assert "--weights" in result.output and "Traceback" not in result.output
+
+
+def test_an_unwritable_out_is_caught_before_encoding(images: list[Path], tmp_path: Path,
+                                                     monkeypatch) -> None:
+    import mmferry.encoder.runner as runner_module
+
+    calls = []
+    monkeypatch.setattr(runner_module.EncoderRunner, "encode",
+                        lambda self, *a, **k: calls.append(1))
+    taken = tmp_path / "emb.safetensors"
+    taken.mkdir()
+    result = CliRunner().invoke(main, ["encode", str(images[0]), "--out", str(taken)])
+    assert result.exit_code == 2 and "--out" in result.output and "directory" in result.output
+    assert not calls
+
+
+def test_encode_audio_files_prints_seconds_and_fails_bad_ones_alone(tmp_path: Path) -> None:
+    from mmferry.media import samples
+
+    good = samples.write_audio(tmp_path / "speech.wav", samples.speech_like(2.5, 16000), 16000)
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    image = tmp_path / "pic.png"
+    Image.fromarray(samples.photo_like(32, 32)).save(image)
+    result = run("encode", "--model", "qwen2-audio", str(good), str(empty), str(image))
+    assert result.exit_code == 1
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:4]}
+    assert rows["speech.wav"][3:6] == ["miss", "audio", "2.50s"]
+    # Whisper: 250 mel frames -> (250 - 1) // 2 + 1 = 125 after the stride-2 conv ->
+    # (125 - 2) // 2 + 1 = 62 after pooling.
+    assert rows["speech.wav"][1] == "62"
+    assert rows["empty.wav"][3] == "error" and rows["pic.png"][3] == "error"
+    assert "empty.wav" in result.stderr and "pic.png: is image" in result.stderr

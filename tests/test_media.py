@@ -78,7 +78,7 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
     with pytest.raises(MediaError, match="no such file") as e:
         load_image(tmp_path / "absent.png")
     assert e.value.source == str(tmp_path / "absent.png")
-    with pytest.raises(MediaError, match="cannot read"):
+    with pytest.raises(MediaError, match="a directory, not a file"):
         load_image(tmp_path)
 
 

@@ -225,13 +225,24 @@ def test_tokens_per_item_from_the_host_grid() -> None:
         model.tokens_per_item({"pixel_values": torch.zeros(1)})
 
 
-def test_precomputed_embeddings_pass_through() -> None:
+def test_precomputed_embeddings_pass_through_the_runner_only() -> None:
     model = models.load("qwen2-vl")
     grid = torch.tensor([[1, 4, 6], [1, 4, 8]])
     embeds = torch.randn(14, model.hidden_size)
-    assert model.encode(image_embeds=embeds, image_grid_thw=grid) is embeds
+    # One place for the bypass: the runner; encode itself refuses embeddings.
     with pytest.raises(ContractError, match="image_embeds"):
-        model.encode(image_embeds=embeds[:5], image_grid_thw=grid)
+        model.encode(image_embeds=embeds, image_grid_thw=grid)
+    given = {"image_embeds": embeds, "image_grid_thw": grid}
+    items = mf.split_items(given, model.field_specs(given))["image"]
+    runner = mf.EncoderRunner(model)
+    outs = runner.encode(items)
+    assert torch.equal(torch.cat(outs), embeds) and runner.last.encoder_calls == 0
+    # Embeddings whose rows disagree with their own grid fail alone, in check_item.
+    short = mf.Item("image", {"image_embeds": embeds[:5], "image_grid_thw": grid[0]},
+                    items[0].specs)
+    outs = runner.encode([short, items[1]])
+    assert outs[0] is None and torch.equal(outs[1], embeds[6:])
+    assert runner.last.errors[0].field == "image_embeds"
 
 
 def test_encode_rejects_malformed_batches() -> None:

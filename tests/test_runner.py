@@ -88,8 +88,12 @@ def test_step_budget_splits_batches() -> None:
     runner = mf.EncoderRunner(model, max_tokens_per_step=3)
     runner.encode(images([4, 2, 2, 6]))  # tokens 2, 1, 1, 3
     assert model.calls == [2, 1, 1]
-    with pytest.raises(mf.EncoderCacheError, match="max_tokens_per_step"):
-        runner.encode(images([8]))
+    # An item no step can hold fails alone; the call still encodes the others.
+    outs = runner.encode(images([8, 2], seed=3))
+    assert outs[0] is None and outs[1] is not None
+    assert runner.last.status == ["error", "miss"]
+    assert isinstance(runner.last.errors[0], mf.EncoderCacheError)
+    assert "max_tokens_per_step" in str(runner.last.errors[0])
 
 
 def test_eviction_under_pressure_keeps_referenced_items() -> None:
@@ -100,7 +104,7 @@ def test_eviction_under_pressure_keeps_referenced_items() -> None:
     for seed in range(2, 6):
         runner.encode(images([4], seed=seed), request=f"r{seed}")
         runner.release(f"r{seed}")
-    assert held[0].hash in runner.cache
+    assert runner.cache_key(held[0]) in runner.cache
     assert runner.cache.stats.evictions >= 2
     assert runner.cache.stats.tokens <= 6
     runner.encode(held, request="again")
@@ -109,8 +113,10 @@ def test_eviction_under_pressure_keeps_referenced_items() -> None:
 
 def test_item_larger_than_cache_is_refused() -> None:
     runner = mf.EncoderRunner(PatchEncoder(), mf.EncoderCache(max_tokens=2))
-    with pytest.raises(mf.EncoderCacheError, match="more than the cache"):
-        runner.encode(images([8]))
+    (out,) = runner.encode(images([8]))
+    assert out is None and runner.last.status == ["error"]
+    assert isinstance(runner.last.errors[0], mf.EncoderCacheError)
+    assert "more than the cache" in str(runner.last.errors[0])
 
 
 def test_token_count_mismatch_names_model_and_items() -> None:
@@ -118,8 +124,15 @@ def test_token_count_mismatch_names_model_and_items() -> None:
         def tokens_per_item(self, item) -> int:
             return int(item["sizes"])
 
-    with pytest.raises(mf.ContractError, match=r"model patch-encoder returned 3 rows .* sum to 6"):
-        mf.EncoderRunner(Wrong()).encode(images([4, 2]))
+    runner = mf.EncoderRunner(Wrong())
+    # The batch's mismatch is retried item by item: each item fails alone, named.
+    assert runner.encode(images([4, 2])) == [None, None]
+    assert runner.last.status == ["error", "error"] and len(runner.cache) == 0
+    for i, rows, want in ((0, 2, 4), (1, 1, 2)):
+        error = runner.last.errors[i]
+        assert isinstance(error, mf.ContractError) and f"item {i}" in str(error)
+        assert f"model patch-encoder returned {rows} rows" in str(error)
+        assert f"sum to {want}" in str(error)
 
 
 def test_runner_receives_fields_where_their_placement_says() -> None:
@@ -211,8 +224,9 @@ def test_output_width_must_be_the_hidden_size() -> None:
     class Wide(PatchEncoder):
         hidden_size = 4
 
-    with pytest.raises(mf.ContractError, match="width 8, expected its hidden size 4"):
-        mf.EncoderRunner(Wide()).encode(images([4]))
+    runner = mf.EncoderRunner(Wide())
+    assert runner.encode(images([4])) == [None]
+    assert "width 8, expected its hidden size 4" in str(runner.last.errors[0])
 
 
 def test_cache_evicts_least_recently_used_first() -> None:

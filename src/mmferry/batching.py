@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from mmferry.errors import ContractError
-from mmferry.fields import FieldSpec, reduce_field
+from mmferry.fields import FieldSpec, check_batch_values, reduce_field
 from mmferry.items import Item, Items, values_equal
 
 __all__ = ["Batch", "batch_items"]
@@ -71,22 +69,7 @@ def _same_batch(first: Item, item: Item) -> bool:
 def _check(batch_items: Sequence[Item]) -> None:
     first = batch_items[0]
     for name in first.specs:
-        dtype = None
-        for i, it in enumerate(batch_items):
-            value = it[name]
-            if value is None:
-                raise ContractError(
-                    f"item {i} of the batch has no data (None); fill cached items first",
-                    field=name,
-                )
-            if isinstance(value, torch.Tensor):
-                if dtype is None:
-                    dtype = value.dtype
-                elif value.dtype != dtype:
-                    raise ContractError(
-                        f"mixed dtypes in one batch: {dtype} and {value.dtype} (item {i})",
-                        field=name,
-                    )
+        check_batch_values(name, [it[name] for it in batch_items])
 
 
 def batch_items(items: Items | Sequence[Item]) -> list[Batch]:

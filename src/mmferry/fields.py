@@ -9,7 +9,7 @@ A :class:`FieldSpec` is plain, immutable data: comparable, hashable, and seriali
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -22,6 +22,8 @@ __all__ = [
     "FieldSpec",
     "Placement",
     "Reduction",
+    "check_batch_values",
+    "concatenable",
     "plan_copy",
     "plan_reduction",
     "reduce_field",
@@ -44,13 +46,14 @@ class Placement(str, Enum):
     def parse(cls, value: Placement | str) -> Placement:
         try:
             return cls(value)
-        except ValueError:
+        except (ValueError, TypeError):
             raise ContractError(
                 f"unknown placement {value!r}; expected one of 'device', 'host', 'both'"
             ) from None
 
 
 KINDS = ("batched", "flat", "shared")
+_SPEC_KEYS = frozenset({"kind", "modality", "placement", "dim", "slices", "sizes", "batch_size"})
 
 # One dimension of an item's slice: (start, stop, step), None meaning "open" as in `slice`.
 Bounds = tuple[int | None, int | None, int | None]
@@ -106,7 +109,7 @@ class FieldSpec:
         if not isinstance(self.modality, str) or not self.modality:
             raise ContractError(f"modality must be a non-empty string, got {self.modality!r}")
         object.__setattr__(self, "placement", Placement.parse(self.placement))
-        if not isinstance(self.dim, int) or self.dim < 0:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
             raise ContractError(f"dim must be a non-negative int, got {self.dim!r}")
         if self.kind != "flat" and (self.slices is not None or self.sizes is not None or self.dim):
             raise ContractError(f"{self.kind} fields take no slices, sizes or dim")
@@ -129,7 +132,8 @@ class FieldSpec:
                 f"slices must be per-item tuples of (start, stop, step) covering dim {self.dim}"
             )
         if self.batch_size is not None and (
-            not isinstance(self.batch_size, int) or self.batch_size < 0
+            not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool)
+            or self.batch_size < 0
         ):
             raise ContractError(f"batch_size must be a non-negative int, got {self.batch_size!r}")
         object.__setattr__(
@@ -169,7 +173,7 @@ class FieldSpec:
             isinstance(slices, tuple) and all(isinstance(s, slice | tuple) for s in slices)
         ):
             raise ContractError("slices must be a sequence with one slice per item")
-        if not isinstance(dim, int) or dim < 0:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise ContractError(f"dim must be a non-negative int, got {dim!r}")
         prefix: tuple[Bounds, ...] = ((None, None, None),) * dim
         items: list[tuple[Bounds, ...]] = []
@@ -271,16 +275,38 @@ class FieldSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FieldSpec:
+    def from_dict(cls, d: Mapping[str, Any]) -> FieldSpec:
+        """The spec :meth:`to_dict` described.
+
+        Raises:
+            ContractError: not a mapping, a missing ``kind`` / ``modality``, an unknown key,
+                or a value the constructor refuses.
+        """
+        if not isinstance(d, Mapping):
+            raise ContractError(f"a field spec is a mapping, got {type(d).__name__}")
+        missing = [k for k in ("kind", "modality") if k not in d]
+        if missing:
+            raise ContractError(f"a field spec needs {' and '.join(missing)}; got keys "
+                                f"{sorted(map(str, d))}")
+        unknown = sorted(set(map(str, d)) - _SPEC_KEYS)
+        if unknown:
+            raise ContractError(f"unknown field spec key(s) {unknown}; expected "
+                                f"{sorted(_SPEC_KEYS)}")
         slices = d.get("slices")
         sizes = d.get("sizes")
+        try:
+            slices = None if slices is None else tuple(tuple(tuple(b) for b in s) for s in slices)
+            sizes = None if sizes is None else tuple(sizes)
+        except TypeError:
+            raise ContractError(f"slices / sizes must be lists, got {d.get('slices')!r} / "
+                                f"{d.get('sizes')!r}") from None
         return cls(
             d["kind"],
             d["modality"],
             d.get("placement", "device"),
             d.get("dim", 0),
-            slices=None if slices is None else tuple(tuple(tuple(b) for b in s) for s in slices),
-            sizes=None if sizes is None else tuple(sizes),
+            slices=slices,
+            sizes=sizes,
             batch_size=d.get("batch_size"),
         )
 
@@ -410,17 +436,30 @@ def plan_copy(value: Any) -> Reduction:
     )
 
 
-def _common_dtype(name: str, values: Sequence[torch.Tensor]) -> torch.dtype:
-    dtype = values[0].dtype
+def check_batch_values(name: str, values: Sequence[Any]) -> torch.dtype | None:
+    """The one check of a field's per-item values before they share a batch: no item without
+    data (``None``), and one dtype across the tensor values. Returns that dtype (``None``
+    without tensors). Batching calls it when it forms a batch, reductions when they run."""
+    dtype = None
+    first = 0
     for i, v in enumerate(values):
-        if v.dtype != dtype:
-            raise ContractError(
-                f"mixed dtypes in one batch: item 0 is {dtype}, item {i} is {v.dtype}", field=name
-            )
+        if v is None:
+            raise ContractError(f"item {i} of the batch has no data (None) and cannot be "
+                                "batched; fill cached items first", field=name)
+        if isinstance(v, torch.Tensor):
+            if dtype is None:
+                dtype, first = v.dtype, i
+            elif v.dtype != dtype:
+                raise ContractError(f"mixed dtypes in one batch: item {first} is {dtype}, "
+                                    f"item {i} is {v.dtype}", field=name)
     return dtype
 
 
-def _concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
+def _common_dtype(name: str, values: Sequence[torch.Tensor]) -> torch.dtype:
+    return check_batch_values(name, values) or values[0].dtype
+
+
+def concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
     """Same rank, ``dim`` in range, and every dimension but ``dim`` equal: a plain concat."""
     shape = values[0].shape
     return dim < len(shape) and all(
@@ -431,9 +470,7 @@ def _concatenable(values: Sequence[torch.Tensor], dim: int) -> bool:
 
 def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reduction:
     """Describe how ``values`` (one per item, in order) reduce into the batch value."""
-    for i, v in enumerate(values):
-        if v is None:
-            raise ContractError(f"item {i} has no data (None) and cannot be batched", field=name)
+    check_batch_values(name, values)
     if spec.kind == "shared":
         return plan_copy(values[0]) if values else plan_copy([])
     tensors = all(isinstance(v, torch.Tensor) for v in values)
@@ -464,7 +501,7 @@ def plan_reduction(name: str, spec: FieldSpec, values: Sequence[Any]) -> Reducti
     if dim >= ndim:
         raise ContractError(f"dim {dim} is out of range for {ndim}-D items", field=name)
     total = sum(v.shape[dim] for v in values)
-    if _concatenable(values, dim):
+    if concatenable(values, dim):
         out_shape = torch.Size((*shape0[:dim], total, *shape0[dim + 1:]))
         return Reduction((out_shape,), (dtype,),
                          lambda outs: torch.cat(list(values), dim, out=outs[0]))
@@ -503,7 +540,7 @@ def reduce_field(name: str, spec: FieldSpec, values: Sequence[Any]) -> Any:
         if spec.kind == "batched":
             if all(v.shape == shape for v in values):
                 return torch.stack(values)
-        elif _concatenable(values, spec.dim):
+        elif concatenable(values, spec.dim):
             return torch.cat(values, spec.dim)
     plan = plan_reduction(name, spec, values)
     leaves: list[torch.Tensor] = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,11 +19,12 @@ from blake3 import blake3
 from PIL import Image
 
 from mmferry.errors import ContractError, MediaError
+from mmferry.files import FileRefused, read_regular
 
 if TYPE_CHECKING:
     from mmferry.fields import FieldSpec
 
-__all__ = ["hash_item", "hash_media", "payload_nbytes"]
+__all__ = ["hash_item", "hash_media", "hash_model", "payload_nbytes"]
 
 # Above this many payload bytes blake3's multithreaded mode pays for its start-up.
 _THREADED_BYTES = 1 << 20
@@ -37,13 +37,18 @@ def _frame(h: blake3, tag: bytes, payload: bytes | memoryview) -> None:
 
 
 def _update_tensor(h: blake3, t: torch.Tensor) -> None:
+    if t.layout is not torch.strided:
+        raise ContractError(f"cannot hash a {t.layout} tensor; give a dense one")
     if t.device.type != "cpu":
-        # Reading it back would be a hidden blocking sync in the hot path: hash where the
-        # processor ran, on the host, or give the item its hash explicitly.
+        # Reading it back would be a hidden blocking sync in the hot path (and a meta tensor
+        # has no data): hash where the processor ran, on the host, or give the item its hash.
         raise ContractError(
             f"cannot hash a tensor on {t.device}: hash items on the host (where they are "
             "processed) or build the Item with hash=...")
     t = t.detach()
+    # A lazily conjugated or negated view hashes by the values it stands for, not the bytes
+    # underneath (which the uint8 view below would read).
+    t = t.resolve_conj().resolve_neg()
     _frame(h, b"T", f"{t.dtype}|{tuple(t.shape)}".encode())
     flat = t.contiguous().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
@@ -56,7 +61,7 @@ def _update(h: blake3, value: Any) -> None:
     elif isinstance(value, np.ndarray):
         arr = np.ascontiguousarray(value)
         if arr.dtype.hasobject:
-            raise TypeError("cannot hash object arrays")
+            raise ContractError("cannot hash object arrays")
         _frame(h, b"N", f"{arr.dtype.str}|{arr.shape}".encode())
         _frame(h, b"B", memoryview(arr).cast("B"))
     elif isinstance(value, bytes | bytearray | memoryview):
@@ -79,19 +84,36 @@ def _update(h: blake3, value: Any) -> None:
             _frame(h, b"k", str(k).encode())
             _update(h, value[k])
     elif isinstance(value, Image.Image):
-        _frame(h, b"P", f"{value.mode}|{value.size}".encode())
-        _frame(h, b"B", value.tobytes())
-        palette = value.getpalette()
-        if palette is not None:
-            _update(h, palette)
+        _update_image(h, value)
     else:
-        raise TypeError(f"cannot hash a value of type {type(value).__name__}")
+        raise ContractError(f"cannot hash a value of type {type(value).__name__}")
+
+
+# PIL ``info`` keys that change the pixels a processor sees (transparency is composited
+# onto white); the rest (dpi, comments, ICC profile as passed through) do not.
+_PIXEL_INFO = ("transparency",)
+
+
+def _update_image(h: blake3, img: Image.Image) -> None:
+    """Everything that decides the processed pixels: mode, size, raw bytes, the palette in
+    its own mode (alpha included) and the transparency key."""
+    _frame(h, b"P", f"{img.mode}|{img.size}".encode())
+    _frame(h, b"B", img.tobytes())
+    if img.palette is not None:
+        mode = img.palette.mode
+        _frame(h, b"p", mode.encode())
+        _frame(h, b"B", bytes(img.getpalette(mode) or ()))
+    for key in _PIXEL_INFO:
+        if key in img.info:
+            _frame(h, b"k", key.encode())
+            value = img.info[key]
+            _update(h, bytes(value) if isinstance(value, bytes | bytearray) else value)
 
 
 def payload_nbytes(value: Any) -> int:
     """Tensor bytes in a field value (a tensor, or nested lists of them); 0 for plain values."""
     if isinstance(value, torch.Tensor):
-        return value.nbytes
+        return value.numel() * value.element_size()
     if isinstance(value, list | tuple):
         return sum(payload_nbytes(v) for v in value)
     return 0
@@ -112,12 +134,36 @@ def hash_item(modality: str, data: Mapping[str, Any], specs: Mapping[str, FieldS
     return h.hexdigest()
 
 
+def hash_model(model: Any) -> str:
+    """Hex digest of what makes an encoder's output: its ``name``, class, ``config`` (its
+    repr, when it has one), and every parameter and buffer by name, dtype, shape and bytes.
+
+    Two models share a digest only when they compute the same function, so encoder-cache
+    keys built on it never mix models. Device tensors are read back once, here; an engine
+    that knows its checkpoint can pass its own identity to the runner instead.
+    """
+    h = blake3(max_threads=blake3.AUTO)
+    _frame(h, b"n", str(getattr(model, "name", "")).encode())
+    _frame(h, b"c", f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    _frame(h, b"C", repr(getattr(model, "config", None)).encode())
+    state = model.state_dict() if hasattr(model, "state_dict") else {}
+    for name in sorted(state):
+        value = state[name]
+        _frame(h, b"k", name.encode())
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            _frame(h, b"T", f"{value.dtype}|{tuple(value.shape)}|meta".encode())
+        else:
+            _update(h, value)
+    return h.hexdigest()
+
+
 def hash_media(
     media: Any,
     *,
     model_id: str,
     modality: str,
     processor_kwargs: Mapping[str, Any] | None = None,
+    max_bytes: int = 1 << 30,
     sampling_rate: int | None = None,
 ) -> str:
     """Hex digest of raw media (file bytes, a PIL image, an array or tensor) together with
@@ -125,7 +171,8 @@ def hash_media(
 
     Encoded file bytes are hashed as they are (no decoding); a path (``str`` or
     ``os.PathLike``) is hashed by its file's bytes, so the key follows the content, not the
-    name. kwargs are hashed by sorted key, so their order does not matter.
+    name; only a regular file of at most ``max_bytes`` is read. kwargs are hashed by sorted
+    key, so their order does not matter.
 
     Audio (``modality="audio"``) is hashed by its decoded content, as a PIL image is by its
     pixels: float32 mono samples plus their rate, so one clip as WAV, FLAC, a path or an
@@ -133,15 +180,17 @@ def hash_media(
     (the model's rate) when given, else hashed with no rate.
 
     Raises:
-        MediaError: a path that cannot be read; audio that cannot be decoded.
+        MediaError: a path that is not a readable regular file within ``max_bytes``; audio
+            that cannot be decoded.
+        ContractError: a value of a type that cannot be hashed.
     """
     if modality == "audio":
         return _hash_audio(media, model_id, processor_kwargs, sampling_rate)
     if isinstance(media, str | os.PathLike):
         try:
-            media = Path(media).read_bytes()
-        except OSError as e:
-            raise MediaError(f"cannot read the file ({e.strerror})", source=os.fspath(media)) from None
+            media = read_regular(media, max_bytes)
+        except FileRefused as e:
+            raise MediaError(e.reason, source=os.fspath(media)) from None
     h = _hasher(payload_nbytes(media))
     _frame(h, b"id", model_id.encode())
     _frame(h, b"m", modality.encode())

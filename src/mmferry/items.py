@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -69,6 +69,12 @@ class Item(Mapping[str, Any]):
         return self._hash
 
     @property
+    def known_hash(self) -> str | None:
+        """The hash if it is already known (computed, or received over the wire), else
+        ``None``; never computes it."""
+        return self._hash
+
+    @property
     def nbytes(self) -> int:
         return sum(payload_nbytes(v) for v in self._data.values())
 
@@ -124,10 +130,25 @@ class Items(Mapping[str, list[Item]]):
     modality by modality.
     """
 
-    __slots__ = ("_by_modality",)
+    __slots__ = ("_by_modality", "_order")
 
     def __init__(self, by_modality: Mapping[str, list[Item]] | None = None) -> None:
         self._by_modality = {m: list(v) for m, v in (by_modality or {}).items() if v}
+        self._order: list[Item] | None = None
+
+    @classmethod
+    def from_sequence(cls, items: Sequence[Item]) -> Items:
+        """Items of any modalities in one given order (a request's interleaved images and
+        audio, say): grouped by modality for ``items[modality]``, while :meth:`in_order`
+        gives them back in exactly this order."""
+        by_modality: dict[str, list[Item]] = {}
+        for item in items:
+            if not isinstance(item, Item):
+                raise ContractError(f"expected Item, got {type(item).__name__}")
+            by_modality.setdefault(item.modality, []).append(item)
+        out = cls(by_modality)
+        out._order = list(items)
+        return out
 
     def __getitem__(self, modality: str) -> list[Item]:
         try:
@@ -144,7 +165,11 @@ class Items(Mapping[str, list[Item]]):
         return len(self._by_modality)
 
     def in_order(self) -> list[Item]:
-        """All items, modality by modality, in processor order within each modality."""
+        """All items: in the given order for :meth:`from_sequence` (what
+        :func:`mmferry.wire.decode` returns), else modality by modality, in processor order
+        within each modality."""
+        if self._order is not None:
+            return list(self._order)
         return [it for items in self._by_modality.values() for it in items]
 
     @property

@@ -40,6 +40,7 @@ __all__ = [
     "Transfer",
     "TransferStats",
     "host_and_device",
+    "parse_device",
     "upload",
 ]
 
@@ -108,8 +109,9 @@ class StagingPool:
     """
 
     def __init__(self, max_blocks: int, *, pin_memory: bool, stats: TransferStats) -> None:
-        if max_blocks < 1:
-            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
+            raise ArgumentError(f"must be a positive int, got {max_blocks!r}",
+                                argument="max_blocks")
         self.max_blocks = max_blocks
         self.pin_memory = pin_memory
         self.stats = stats
@@ -240,6 +242,45 @@ def _swap(value: Any, mapping: dict[int, torch.Tensor]) -> Any:
     return value
 
 
+def parse_device(device: torch.device | str, *, argument: str = "device",
+                 types: tuple[str, ...] = ("cuda", "cpu", "meta"),
+                 simulated: bool = False) -> torch.device:
+    """The one validation of a device argument (library, CLI, servers and audit alike).
+
+    ``device`` must be a ``torch.device`` or a string torch parses, of one of ``types``. A
+    real CUDA device must exist on this machine (its index below the device count; no
+    index means the current device). ``simulated=True`` (the audit's device) accepts any
+    accelerator type, none of which needs to exist, and no index means index 0.
+
+    Raises:
+        ArgumentError: naming ``argument``.
+    """
+    if not isinstance(device, torch.device | str) or isinstance(device, bool):
+        raise ArgumentError(f"expected a device string such as 'cuda' or 'cpu', got "
+                            f"{type(device).__name__}", argument=argument)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ArgumentError(f"not a device: {device!r} ({e})", argument=argument) from None
+    if simulated:
+        if dev.type in ("cpu", "meta"):
+            raise ArgumentError(f"the simulated device must be an accelerator, got {dev.type!r}",
+                                argument=argument)
+        return torch.device(dev.type, 0 if dev.index is None else dev.index)
+    if dev.type not in types:
+        raise ArgumentError(f"unsupported device {device!r}; expected {', '.join(types)}",
+                            argument=argument)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArgumentError("CUDA is not available on this machine", argument=argument)
+        if dev.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
+            raise ArgumentError(f"{dev} does not exist; this machine has "
+                                f"{torch.cuda.device_count()} CUDA device(s)", argument=argument)
+    return dev
+
+
 class Transfer:
     """Moves batches to ``device`` with one coalesced copy each; see the module docstring.
 
@@ -247,16 +288,11 @@ class Transfer:
     """
 
     def __init__(self, device: torch.device | str, *, max_staging_blocks: int = 4) -> None:
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "meta", "cuda"):
-            raise ArgumentError(
-                f"unsupported device {self.device}; expected cuda, cpu or meta", argument="device"
-            )
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ArgumentError("CUDA is not available on this machine", argument="device")
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = parse_device(device)
+        if (not isinstance(max_staging_blocks, int) or isinstance(max_staging_blocks, bool)
+                or max_staging_blocks < 1):
+            raise ArgumentError(f"must be a positive int, got {max_staging_blocks!r}",
+                                argument="max_staging_blocks")
         self._stats = TransferStats()
         self._copies = self.device.type == "cuda"
         self._pool = StagingPool(

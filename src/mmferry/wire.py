@@ -67,6 +67,15 @@ MAX_TENSORS = 1 << 18
 MAX_FRAMES = MAX_TENSORS + 1
 MAX_NDIM = 32
 MAX_DEPTH = 32
+# The header sections whose elements nest without a fixed shape (field values, spec slices,
+# layout names) may take at most this many header bytes. msgpack spends one byte on an empty
+# list that Python spends ~64 on, so an unbounded nest would turn a 16 MiB header into a
+# gigabyte of lists; checked on each section's byte length before it is parsed, this bound
+# keeps a hostile header's cost near 64x these bytes, while real messages (a few bytes of
+# values per item) stay far below it.
+MAX_VALUE_BYTES = 4 << 20
+MAX_TABLE_BYTES = 1 << 20  # the spec table, and the layout table, each
+MAX_NAME = 256  # characters in a modality or field name
 # The largest tensor (in bytes) any shape may describe, empty tensors included.
 _MAX_EXTENT = 1 << 62
 
@@ -146,8 +155,59 @@ class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     items: Annotated[list[_Item], _most(MAX_ITEMS)]
 
 
+class _ItemIn(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    """:class:`_Item` as decoded: the value tree stays raw bytes until its size is checked."""
+
+    layout: NonNeg
+    values: msgspec.Raw
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] | None = None
+    hash: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+
+
+class _SpecIn(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    """:class:`_Spec` as decoded, every list and string bounded."""
+
+    kind: Name
+    modality: Name
+    placement: Annotated[str, msgspec.Meta(max_length=16)] = "device"
+    dim: NonNeg = 0
+    slices: Annotated[list[Annotated[list[tuple[Bound, Bound, Bound]], _most(MAX_NDIM)]],
+                      _most(MAX_ITEMS)] | None = None
+    sizes: Annotated[list[int], _most(MAX_ITEMS)] | None = None
+    batch_size: int | None = None
+
+
+class _LayoutIn(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    modality: Name
+    names: Annotated[list[Name], _most(1 << 12)]
+    specs: Annotated[list[NonNeg], _most(1 << 12)]
+
+
+class _Skeleton(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The header with every section but the frame lengths left raw: each section's element
+    count (its msgpack array header) and byte length are checked before it is parsed."""
+
+    frames: Annotated[list[NonNeg], _most(MAX_FRAMES)]
+    specs: msgspec.Raw
+    layouts: msgspec.Raw
+    tensors: msgspec.Raw
+    shared: msgspec.Raw
+    items: msgspec.Raw
+
+
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(_Header)
+_SKELETON = msgspec.msgpack.Decoder(_Skeleton)
+_SECTIONS = {
+    "specs": msgspec.msgpack.Decoder(list[_SpecIn]),
+    "layouts": msgspec.msgpack.Decoder(list[_LayoutIn]),
+    "tensors": msgspec.msgpack.Decoder(list[_Tensor]),
+    "shared": msgspec.msgpack.Decoder(list[Any]),
+    "items": msgspec.msgpack.Decoder(list[_ItemIn]),
+}
+_VALUES = msgspec.msgpack.Decoder(list[Any])
 
 
 # -- encode ---------------------------------------------------------------------------
@@ -172,7 +232,7 @@ def encode(items: Items | Sequence[Item]) -> list[bytes | memoryview]:
     rows: list[_Item] = []
     for item in seq:
         if not isinstance(item, Item):
-            raise TypeError(f"expected Item, got {type(item).__name__}")
+            raise ContractError(f"expected Item, got {type(item).__name__}")
         specs = item.specs
         names = tuple(item)
         field_specs = tuple(specs[n] for n in names)
@@ -195,11 +255,15 @@ def encode(items: Items | Sequence[Item]) -> list[bytes | memoryview]:
                 values.append(ref)
             else:
                 values.append(_put(name, value, tensors, 0))
-        rows.append(_Item(layout, values, *_hash_out(item._hash)))
+        rows.append(_Item(layout, values, *_hash_out(item.known_hash)))
     if len(rows) > MAX_ITEMS or len(shared_tensors) + len(tensors) > MAX_TENSORS:
         raise ContractError(f"{len(rows)} items with {len(shared_tensors) + len(tensors)} "
                             f"tensors exceed one message ({MAX_ITEMS} items, {MAX_TENSORS} tensors)")
     descriptors, frames = _lay_out(shared_tensors + tensors)
+    data_bytes = sum(f.nbytes for f in frames)
+    if len(descriptors) > data_bytes + MAX_NDIM * (len(rows) + 1):
+        raise ContractError(f"{len(descriptors)} tensors, most of them empty, exceed what "
+                            f"{len(rows)} items may carry in one message")
     header = _Header(
         [f.nbytes for f in frames],
         [_Spec(**s.to_dict()) for s in spec_index],
@@ -300,7 +364,9 @@ def _hash_out(h: str | None) -> tuple[bytes | None, str | None]:
 
 
 def decode(frames: Sequence[Any], *, copy: bool = False) -> Items:
-    """The :class:`Items` that :func:`encode` turned into ``frames``.
+    """The :class:`Items` that :func:`encode` turned into ``frames``, in the order they were
+    given to :func:`encode`: ``decode(encode(seq)).in_order()`` is ``seq``'s order,
+    interleaved modalities included (``Items[modality]`` keeps each modality's order).
 
     ``frames`` is a list or tuple of bytes-like objects (``bytes``, ``bytearray``,
     ``memoryview``, ``zmq.Frame``). Tensors alias the frames and are read-only by contract
@@ -308,33 +374,48 @@ def decode(frames: Sequence[Any], *, copy: bool = False) -> Items:
     Any malformed, truncated or oversized input raises :class:`WireError`.
     """
     views = _views(frames)
-    header = _header(views[0])
-    _check_frames(header.frames, views)
-    specs = [_spec(i, row) for i, row in enumerate(header.specs)]
-    layouts = [_layout(i, row, specs) for i, row in enumerate(header.layouts)]
-    located = _locate(header.tensors, views)
+    skeleton = _header(views[0])
+    _check_frames(skeleton.frames, views)
+    data_bytes = sum(v.nbytes for v in views[1:])
+    n_items = _count(skeleton.items, "items", MAX_ITEMS)
+    _count(skeleton.shared, "shared values", MAX_ITEMS)
+    _count(skeleton.specs, "specs", MAX_ITEMS, MAX_TABLE_BYTES)
+    _count(skeleton.layouts, "layouts", MAX_ITEMS, MAX_TABLE_BYTES)
+    # A tensor with bytes needs at least one byte of a data frame; empty tensors (no bytes)
+    # are bounded by the items that can carry them.
+    n_tensors = _count(skeleton.tensors, "tensors", MAX_TENSORS)
+    if n_tensors > data_bytes + MAX_NDIM * (n_items + 1):
+        raise WireError(f"{n_tensors} tensors cannot fit {data_bytes} data bytes and "
+                        f"{n_items} items", frame=0)
+    values_budget = [MAX_VALUE_BYTES - len(skeleton.shared)]
+    if values_budget[0] < 0:
+        raise WireError(f"shared values take {len(skeleton.shared)} header bytes, more than "
+                        f"{MAX_VALUE_BYTES}", frame=0)
+    specs = [_spec(i, row) for i, row in enumerate(_section(skeleton, "specs"))]
+    layouts = [_layout(i, row, specs) for i, row in enumerate(_section(skeleton, "layouts"))]
+    located = _locate(_section(skeleton, "tensors"), views)
+    rows = _section(skeleton, "items")
     tensors = _build(located, views, copy)
 
     # Value trees take the tensors in table order: shared values first, then the items.
     unused = iter(tensors)
     shared = []
-    for i, v in enumerate(header.shared):
+    for i, v in enumerate(_section(skeleton, "shared")):
         try:
             shared.append(_value(v, unused, 0))
         except _Malformed as e:
             raise WireError(f"shared value {i}: {e}", frame=0) from None
     used_shared = bytearray(len(shared))
-    by_modality: dict[str, list[Item]] = {}
-    for i, row in enumerate(header.items):
+    order: list[Item] = []
+    for i, row in enumerate(rows):
         if row.layout >= len(layouts):
             raise WireError(f"item {i}: layout {row.layout} of {len(layouts)}", frame=0)
         modality, names, item_specs, shared_fields = layouts[row.layout]
-        if len(row.values) != len(names):
-            raise WireError(f"item {i}: {len(row.values)} values for {len(names)} fields", frame=0)
+        values = _item_values(i, row.values, len(names), values_budget)
         if row.digest is not None and row.hash is not None:
             raise WireError(f"item {i}: both a digest and a hash", frame=0)
         data = {}
-        for name, value in zip(names, row.values, strict=True):
+        for name, value in zip(names, values, strict=True):
             try:
                 if name in shared_fields:
                     if type(value) is not int or not 0 <= value < len(shared):
@@ -345,15 +426,57 @@ def decode(frames: Sequence[Any], *, copy: bool = False) -> Items:
                     data[name] = _value(value, unused, 0)
             except _Malformed as e:
                 raise WireError(f"item {i} field {name!r}: {e}", frame=0) from None
-        by_modality.setdefault(modality, []).append(
-            Item(modality, data, item_specs,
-                 hash=row.digest.hex() if row.digest is not None else row.hash)
-        )
+        order.append(Item(modality, data, item_specs,
+                          hash=row.digest.hex() if row.digest is not None else row.hash))
     if next(unused, None) is not None:
         raise WireError("the tensor table has tensors no value uses", frame=0)
     if not all(used_shared):
         raise WireError(f"shared value {used_shared.index(0)} is not used by any item", frame=0)
-    return Items(by_modality)
+    return Items.from_sequence(order)
+
+
+def _count(raw: msgspec.Raw, what: str, most: int, max_bytes: int | None = None) -> int:
+    """The element count a section's msgpack array header declares, checked against
+    ``most`` (and the section's bytes against ``max_bytes``) before anything is parsed."""
+    view = memoryview(raw)
+    if max_bytes is not None and view.nbytes > max_bytes:
+        raise WireError(f"the {what} take {view.nbytes} header bytes, more than {max_bytes}",
+                        frame=0)
+    head = view[0] if view.nbytes else None
+    if head is not None and 0x90 <= head <= 0x9F:
+        n = head & 0x0F
+    elif head == 0xDC and view.nbytes >= 3:
+        n = int.from_bytes(view[1:3], "big")
+    elif head == 0xDD and view.nbytes >= 5:
+        n = int.from_bytes(view[1:5], "big")
+    else:
+        raise WireError(f"the {what} are not a list", frame=0)
+    if n > most:
+        raise WireError(f"{n} {what} is more than {most}", frame=0)
+    return n
+
+
+def _section(skeleton: _Skeleton, name: str) -> list[Any]:
+    try:
+        return _SECTIONS[name].decode(getattr(skeleton, name))
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise WireError(f"bad header ({name}): {e}", frame=0) from None
+
+
+def _item_values(i: int, raw: msgspec.Raw, fields: int, budget: list[int]) -> list[Any]:
+    """Item ``i``'s value list: its field count and its share of :data:`MAX_VALUE_BYTES`
+    checked on the raw bytes, then parsed."""
+    n = _count(raw, f"values of item {i}", fields)
+    if n != fields:
+        raise WireError(f"item {i}: {n} values for {fields} fields", frame=0)
+    budget[0] -= len(raw)
+    if budget[0] < 0:
+        raise WireError(f"field values take more than {MAX_VALUE_BYTES} header bytes "
+                        f"(at item {i})", frame=0)
+    try:
+        return _VALUES.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise WireError(f"item {i}: bad values: {e}", frame=0) from None
 
 
 def _views(frames: Any) -> list[memoryview]:
@@ -367,15 +490,21 @@ def _views(frames: Any) -> list[memoryview]:
     for i, f in enumerate(frames):
         try:
             v = memoryview(f)
+            if not v.c_contiguous:
+                # A strided view's buffer holds bytes that are not the frame's.
+                raise WireError("a strided (non-contiguous) view; give contiguous bytes",
+                                frame=i)
             if v.ndim != 1 or v.format != "B":
                 v = v.cast("B")
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, BufferError) as e:
+            if isinstance(e, WireError):
+                raise
             raise WireError(f"not a contiguous bytes-like object ({e})", frame=i) from None
         views.append(v)
     return views
 
 
-def _header(view: memoryview) -> _Header:
+def _header(view: memoryview) -> _Skeleton:
     if view.nbytes > MAX_HEADER_BYTES:
         raise WireError(f"header of {view.nbytes} bytes is more than {MAX_HEADER_BYTES}", frame=0)
     if view[:3] != _PREFIX[:3]:
@@ -384,7 +513,7 @@ def _header(view: memoryview) -> _Header:
         got = view[3] if view.nbytes >= 4 else "missing"
         raise WireError(f"wire version {got} is not {VERSION}", frame=0, offset=3)
     try:
-        header = _DECODER.decode(view[4:])
+        header = _SKELETON.decode(view[4:])
     except (msgspec.DecodeError, RecursionError) as e:
         raise WireError(f"bad header: {e}", frame=0) from None
     return header
@@ -398,7 +527,7 @@ def _check_frames(lengths: list[int], views: list[memoryview]) -> None:
             raise WireError(f"frame is {v.nbytes} bytes, header says {n}", frame=i)
 
 
-def _spec(i: int, row: _Spec) -> FieldSpec:
+def _spec(i: int, row: _SpecIn) -> FieldSpec:
     try:
         return FieldSpec.from_dict(msgspec.structs.asdict(row))
     except ValueError as e:  # ContractError included
@@ -406,7 +535,7 @@ def _spec(i: int, row: _Spec) -> FieldSpec:
 
 
 def _layout(
-    i: int, row: _Layout, specs: list[FieldSpec]
+    i: int, row: _LayoutIn, specs: list[FieldSpec]
 ) -> tuple[str, list[str], Mapping[str, FieldSpec], frozenset[str]]:
     if not row.modality:
         raise WireError(f"layout {i}: empty modality", frame=0)

@@ -12,7 +12,7 @@ from mmferry.audit.findings import KINDS, AuditReport
 from mmferry.audit.tracer import Tracer, UnauditableOpError, skipped_frame
 from mmferry.errors import ArgumentError
 from mmferry.fields import FieldSpec, Placement
-from mmferry.transfer import Mirrored
+from mmferry.transfer import Mirrored, parse_device
 
 __all__ = ["audit", "audit_model", "placements_of"]
 
@@ -32,14 +32,7 @@ def placements_of(specs: Mapping[str, FieldSpec | Placement | str]) -> dict[str,
 
 
 def _simulated_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ArgumentError(f"not a device: {device!r} ({e})", argument="device") from None
-    if dev.type in ("cpu", "meta"):
-        raise ArgumentError(f"the simulated device must be an accelerator, got {dev.type!r}",
-                            argument="device")
-    return torch.device(dev.type, 0 if dev.index is None else dev.index)
+    return parse_device(device, simulated=True)
 
 
 def _check_allow(allow: Iterable[str]) -> tuple[str, ...]:

@@ -16,8 +16,12 @@ def main() -> None:
 
 from mmferry.cli.audit import audit_command  # noqa: E402
 from mmferry.cli.encode import encode  # noqa: E402
+from mmferry.cli.launch import launch  # noqa: E402
 from mmferry.cli.models import models_command  # noqa: E402
+from mmferry.cli.serve import serve_command  # noqa: E402
 
 main.add_command(audit_command)
 main.add_command(encode)
+main.add_command(launch)
 main.add_command(models_command)
+main.add_command(serve_command)

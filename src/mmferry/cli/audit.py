@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from mmferry.audit.findings import KINDS
-from mmferry.cli.args import check_model, validated
+from mmferry.cli.args import validated
 from mmferry.errors import ArgumentError
 
 __all__ = ["audit_command"]
@@ -54,12 +54,14 @@ def _list() -> None:
               help="Audit a synthetic example encoder (a wrong CASE shows its faults).")
 @click.option("--allow", multiple=True, type=click.Choice(KINDS),
               help="A finding kind that does not fail the audit (repeatable).")
-@click.option("--device", default="cuda", show_default=True, help="The simulated device.")
+@click.option("--device", "simulated_device", default="cuda", show_default=True,
+              help="The simulated device.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--list", "list_targets", is_flag=True, help="List models and examples, then exit.")
 @validated
 def audit_command(model_names: tuple[str, ...], all_models: bool, example_specs: tuple[str, ...],
-                  allow: tuple[str, ...], device: str, as_json: bool, list_targets: bool) -> None:
+                  allow: tuple[str, ...], simulated_device: str, as_json: bool,
+                  list_targets: bool) -> None:
     """Audit field placements on a simulated device, without a GPU.
 
     Runs each model's encoder on its dummy inputs (or an example encoder) once on the CPU,
@@ -73,12 +75,8 @@ def audit_command(model_names: tuple[str, ...], all_models: bool, example_specs:
     if list_targets:
         _list()
         return
-    if all_models and model_names:
-        raise ArgumentError("give model names or --all, not both", argument="--all")
-    if all_models or model_names:
-        for name in model_names:
-            check_model(name, argument="MODEL")
-        model_names = tuple(models.names()) if all_models else model_names
+    if all_models:
+        model_names = tuple(models.names())
     examples = _example_targets(example_specs)
     if not model_names and not examples:
         raise ArgumentError("nothing to audit: give MODEL names, --all or --example NAME "
@@ -86,11 +84,11 @@ def audit_command(model_names: tuple[str, ...], all_models: bool, example_specs:
 
     results = []
     for name in model_names:
-        for batch, report in audit_model(models.load(name), device=device, allow=allow).items():
+        for batch, report in audit_model(models.load(name), device=simulated_device, allow=allow).items():
             results.append((f"{name} ({batch})", report))
     for target, example, case in examples:
         report = audit(example.build(case.variant), example.inputs(), case.specs,
-                       device=device, allow=allow)
+                       device=simulated_device, allow=allow)
         results.append((target, report))
 
     ok = all(report.ok for _, report in results)

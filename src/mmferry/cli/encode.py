@@ -10,20 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 
-from mmferry.cli.args import (
-    check_device,
-    check_model,
-    check_out,
-    check_positive,
-    check_weights,
-    validated,
-)
+from mmferry.cli.args import DEVICE, MODEL, options, validated
 from mmferry.cli.table import print_table
 from mmferry.encoder import EncoderCache, EncoderModel, EncoderRunner
-from mmferry.errors import MediaError, MmferryError
+from mmferry.errors import ArgumentError, MediaError, MmferryError
 from mmferry.items import Item, split_items
-from mmferry.media import samples
+from mmferry.media import samples as sample_media
 
 __all__ = ["encode"]
 
@@ -62,15 +56,15 @@ def write_samples(n: int, folder: Path, modalities: tuple[str, ...]) -> list[Pat
         modality = modalities[i % len(modalities)]
         w, h = _SAMPLE_SIZES[i % len(_SAMPLE_SIZES)]
         if modality == "image":
-            paths.append(samples.write_image(folder / f"sample-{i}-{w}x{h}.png",
-                                             samples.photo_like(h, w, seed=i)))
+            paths.append(sample_media.write_image(folder / f"sample-{i}-{w}x{h}.png",
+                                             sample_media.photo_like(h, w, seed=i)))
         elif modality == "video":
-            frames = samples.video_like(_SAMPLE_FRAMES, h // 2, w // 2, seed=i)
-            paths.append(samples.write_video(folder / f"sample-{i}-video", frames))
+            frames = sample_media.video_like(_SAMPLE_FRAMES, h // 2, w // 2, seed=i)
+            paths.append(sample_media.write_video(folder / f"sample-{i}-video", frames))
         else:
             seconds = _SAMPLE_SECONDS[i % len(_SAMPLE_SECONDS)]
-            paths.append(samples.write_audio(folder / f"sample-{i}-{seconds:g}s.wav",
-                                             samples.speech_like(seconds, _SAMPLE_RATE, seed=i),
+            paths.append(sample_media.write_audio(folder / f"sample-{i}-{seconds:g}s.wav",
+                                             sample_media.speech_like(seconds, _SAMPLE_RATE, seed=i),
                                              _SAMPLE_RATE))
     return paths
 
@@ -92,11 +86,12 @@ def _describe_media(modality: str, media: Any) -> str:
         return f"{media.width}x{media.height}"
     if modality == "video":
         return f"{len(media)}x{media[0].width}x{media[0].height}"
-    return "-"
+    samples, rate = media
+    return f"{len(samples) / rate:.2f}s"
 
 
 def _prepare(model: EncoderModel, path: Path) -> _FileResult:
-    from mmferry.media import load_image, load_video
+    from mmferry.media import decode_audio, load_image, load_video
 
     result = _FileResult(path)
     try:
@@ -105,9 +100,9 @@ def _prepare(model: EncoderModel, path: Path) -> _FileResult:
             raise MediaError(f"is {modality}; {model.name} takes "
                              f"{', '.join(model.modalities)}", source=str(path))
         t0 = time.perf_counter()
-        # Audio is decoded by the processor, at the rate its features need.
+        # Audio at its own rate: the processor resamples it to the rate its features need.
         media: Any = (load_image(path) if modality == "image" else
-                      load_video(path) if modality == "video" else path)
+                      load_video(path) if modality == "video" else decode_audio(path))
         result.media = _describe_media(modality, media)
         t1 = time.perf_counter()
         outputs = model.processor(**{_PROCESSOR_ARGUMENT[modality]: [media]})
@@ -116,7 +111,7 @@ def _prepare(model: EncoderModel, path: Path) -> _FileResult:
         t3 = time.perf_counter()
         result.seconds = {"decode": t1 - t0, "process": t2 - t1, "split": t3 - t2}
     except (MmferryError, OSError) as e:
-        result.error = str(e)
+        result.error = str(e) if str(path) in str(e) else f"{path}: {e}"
     return result
 
 
@@ -124,92 +119,131 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+def _load_model(name: str, weights: Path | None, device: torch.device) -> EncoderModel:
+    """The model, or a one-line usage error naming the bad key or file: a checkpoint folder
+    or config.json is user input, so nothing it holds may end in a traceback."""
+    from mmferry import models
+
+    try:
+        return models.load(name, weights=weights).to(device).eval()
+    except MmferryError as e:  # ArgumentError (config values), CheckpointError (tensors)
+        raise ArgumentError(str(e), argument="--weights") from None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError,
+            ZeroDivisionError, RuntimeError) as e:
+        # A config value the model's own validation missed; still the folder's fault.
+        raise ArgumentError(f"{weights}: cannot build {name} from this checkpoint "
+                            f"({type(e).__name__}: {e})", argument="--weights") from None
+
+
 @click.command()
-@click.argument("files", nargs=-1, type=click.Path())
-@click.option("--model", "model_name", default="qwen2-vl", show_default=True,
-              help="Built-in model (see `mmferry models`).")
-@click.option("--weights", type=click.Path(file_okay=False),
-              help="Local checkpoint folder (config.json + safetensors); default: tiny random weights.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.argument("files", nargs=-1)
+@options(MODEL, DEVICE)
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Save embeddings to this .safetensors file, keyed by item hash.")
-@click.option("--samples", "sample_count", type=int, default=None,
+@click.option("--samples", type=int, default=None,
               help="Encode N generated samples of the model's modalities instead of FILES "
                    "(the last repeats the first).")
 @click.option("--max-tokens-per-step", type=int, default=None,
               help="Bound the output tokens of one encoder call.")
+@click.option("--server", default=None, metavar="URL",
+              help="Encode on a running `mmferry serve` at URL (render here, encode there).")
 @validated
-def encode(files: tuple[str, ...], model_name: str, weights: str | None, device: str,
-           out: str | None, sample_count: int | None, max_tokens_per_step: int | None) -> None:
-    """Encode media FILES into embeddings and print, per item, its modality, media, tokens,
-    embedding shape, cache hit or miss and stage times. The modality comes from the file:
+def encode(files: tuple[str, ...], model_name: str, weights: Path | None, device: torch.device,
+           out: Path | None, samples: int | None, max_tokens_per_step: int | None,
+           server: str | None) -> None:
+    """Encode media FILES into embeddings and print, per item, its tokens, embedding shape,
+    cache hit or miss, modality, media and stage times. The modality comes from the file:
     images, videos (a file PyAV decodes, or a folder of frames) and audio, as the model
     takes them. Exit code 1 when any file failed (the others are still encoded)."""
     from mmferry import models
 
-    check_model(model_name)
-    weights_dir = check_weights(weights)
-    dev = check_device(device)
-    out_path = check_out(out)
-    check_positive(sample_count, "--samples")
-    check_positive(max_tokens_per_step, "--max-tokens-per-step")
-    if sample_count is None and not files:
-        raise click.UsageError("give FILES to encode, or --samples N")
-    if sample_count is not None and files:
-        raise click.UsageError("give FILES or --samples, not both")
-
     with tempfile.TemporaryDirectory(prefix="mmferry-samples-") as tmp:
-        model = models.load(model_name, weights=weights_dir).to(dev).eval()
-        paths = (write_samples(sample_count, Path(tmp), model.modalities) if sample_count
+        if server is not None:
+            # Render here (the processor only, no weights), encode on the server.
+            model = models.load(model_name, materialize=False)
+        else:
+            model = _load_model(model_name, weights, device)
+        paths = (write_samples(samples, Path(tmp), model.modalities) if samples
                  else [Path(f) for f in files])
-        runner = EncoderRunner(model, EncoderCache(max_tokens=1 << 20), device=dev,
-                               max_tokens_per_step=max_tokens_per_step)
         show_progress = len(paths) >= 8 and sys.stderr.isatty()
-        results = []
         from tqdm import tqdm
 
-        for path in tqdm(paths, desc="preprocess", disable=not show_progress, unit="file"):
-            results.append(_prepare(model, path))
-        budget = min(runner.max_tokens_per_step, runner.cache.max_tokens)
-        for r in results:
-            # An item no step can hold fails alone, before it can fail the whole run.
-            if r.item is not None and (n := model.tokens_per_item(r.item)) > budget:
-                r.item, r.error = None, (f"{r.path}: {n} tokens, more than the step budget of "
-                                         f"{budget} (--max-tokens-per-step)")
-        good = [r for r in results if r.item is not None]
-        embeddings = runner.encode([r.item for r in good], request="cli") if good else []
-        status = dict(zip(map(id, good), runner.last.status, strict=True))
+        results = [_prepare(model, path) for path in
+                   tqdm(paths, desc="preprocess", disable=not show_progress, unit="file")]
+        prepared = [r for r in results if r.item is not None]
+        if server is not None:
+            answers = _encode_remote(server, prepared)
+            summary = (f"model {model_name} on {server}: {sum(r.item is not None for r in prepared)}"
+                       f" item(s) answered, {sum(a == 'hit' for _, a in answers.values())} "
+                       "cache hit(s)")
+        else:
+            answers, summary = _encode_here(model, device, prepared, max_tokens_per_step)
+    _report(results, answers, summary, out)
 
+
+def _encode_here(model: EncoderModel, device: torch.device, prepared: list[_FileResult],
+                 max_tokens_per_step: int | None) -> tuple[dict[int, tuple[torch.Tensor, str]], str]:
+    runner = EncoderRunner(model, EncoderCache(max_tokens=1 << 20), device=device,
+                           max_tokens_per_step=max_tokens_per_step)
+    embeddings = runner.encode([r.item for r in prepared], request="cli") if prepared else []
+    # Items the runner refused (its checks, the step budget, the cache) fail alone.
+    for i, error in runner.last.errors.items():
+        prepared[i].item, prepared[i].error = None, f"{prepared[i].path}: {error}"
+    answers = {id(r): (e, status) for r, e, status in
+               zip(prepared, embeddings, runner.last.status, strict=True) if r.item is not None}
+    last = runner.last
+    summary = (f"model {model.name} on {device}: {last.encoded} item(s) encoded in "
+               f"{last.encoder_calls} encoder call(s), {last.status.count('repeat')} repeat(s), "
+               f"{last.hits} cache hit(s); "
+               + ", ".join(f"{k} {_ms(v)} ms" for k, v in last.seconds.items()))
+    return answers, summary
+
+
+def _encode_remote(server: str, prepared: list[_FileResult]) -> dict[int, tuple[torch.Tensor, str]]:
+    """Encode on a running ``mmferry serve`` through :mod:`mmferry.client`."""
+    from mmferry.client import Client, ClientError
+
+    try:
+        with Client(server) as client:
+            replies = client.encode([r.item for r in prepared]) if prepared else []
+    except ClientError as e:
+        raise click.ClickException(f"{server}: {e}") from None
+    answers = {}
+    for r, reply in zip(prepared, replies, strict=True):
+        if reply.error is not None:
+            r.item, r.error = None, f"{r.path}: {reply.error}"
+        else:
+            answers[id(r)] = (reply.rows, reply.status)
+    return answers
+
+
+def _report(results: list[_FileResult], answers: dict[int, tuple[torch.Tensor, str]],
+            summary: str, out: Path | None) -> None:
+    """The per-file table, the summary, one line per error, the --out file; exit 1 when any
+    file failed."""
     rows = [("file", "tokens", "embedding", "cache", "modality", "media", "decode ms",
              "process ms", "split ms")]
-    by_id = dict(zip(map(id, good), embeddings, strict=True))
     for r in results:
-        if r.item is None:
+        if id(r) not in answers:
             rows.append((r.path.name, "-", "-", "error", r.modality or "-", r.media, "-", "-",
                          "-"))
             continue
-        emb = by_id[id(r)]
-        rows.append((r.path.name, str(emb.shape[0]), "x".join(map(str, emb.shape)), status[id(r)],
+        emb, status = answers[id(r)]
+        rows.append((r.path.name, str(emb.shape[0]), "x".join(map(str, emb.shape)), status,
                      r.modality, r.media, _ms(r.seconds["decode"]), _ms(r.seconds["process"]),
                      _ms(r.seconds["split"])))
     print_table(rows)
-    stages = runner.last.seconds
-    if good:
-        click.echo(
-            f"model {model_name} on {dev}: {runner.last.encoded} item(s) encoded in "
-            f"{runner.last.encoder_calls} encoder call(s), {runner.last.status.count('repeat')} "
-            f"repeat(s), {runner.last.hits} cache hit(s); "
-            + ", ".join(f"{k} {_ms(v)} ms" for k, v in stages.items())
-        )
+    if answers:
+        click.echo(summary)
     for r in results:
         if r.error is not None:
             click.echo(f"error: {r.error}", err=True)
-
-    if out_path is not None and good:
+    if out is not None and answers:
         from safetensors.torch import save_file
 
-        tensors = {r.item.hash: by_id[id(r)].detach().cpu().contiguous() for r in good}
-        save_file(tensors, str(out_path))
-        click.echo(f"saved {len(tensors)} embedding(s) to {out_path}")
-    if len(good) != len(results):
+        tensors = {r.item.hash: answers[id(r)][0].detach().cpu().contiguous()
+                   for r in results if id(r) in answers}
+        save_file(tensors, str(out))
+        click.echo(f"saved {len(tensors)} embedding(s) to {out}")
+    if len(answers) != len(results):
         sys.exit(1)

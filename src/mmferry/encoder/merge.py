@@ -27,12 +27,12 @@ def scatter_output_slices(
     Token counts are host integers, so the cut needs no device-to-host sync.
     """
     if len(indices) != len(per_item_out_tokens):
-        raise ValueError(
+        raise ContractError(
             f"{len(indices)} indices but {len(per_item_out_tokens)} token counts"
         )
     total = sum(per_item_out_tokens)
     if output.shape[0] != total:
-        raise ValueError(f"output has {output.shape[0]} rows but the items need {total}")
+        raise ContractError(f"output has {output.shape[0]} rows but the items need {total}")
     offset = 0
     for index, n in zip(indices, per_item_out_tokens, strict=True):
         rows = output[offset:offset + n]

@@ -28,14 +28,15 @@ class EncoderModel(Protocol):
     ``precomputed_fields`` names fields that already hold encoder output (vLLM's
     ``image_embeds``): the runner takes a batch carrying one as its output and does not call
     ``encode``. ``checkpoint_prefixes`` maps a checkpoint key prefix to the model's own
-    parameter-name prefix; keys under no prefix (the language model's) are never read.
+    parameter-name prefix, or to ``None`` for keys to skip (tensors the model recomputes);
+    keys under no prefix (the language model's) are never read.
     """
 
     name: str
     modalities: tuple[str, ...]
     hidden_size: int
     precomputed_fields: frozenset[str]
-    checkpoint_prefixes: Mapping[str, str]
+    checkpoint_prefixes: Mapping[str, str | None]
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   **kwargs: Any) -> Mapping[str, Any]: ...
@@ -62,7 +63,7 @@ class ModelClass(Protocol):
     it (on whatever device is current; ``load`` builds on ``meta`` and then fills weights)."""
 
     name: str
-    checkpoint_prefixes: Mapping[str, str]
+    checkpoint_prefixes: Mapping[str, str | None]
 
     def from_config(self, config: Mapping[str, Any] | None,
                     folder: Path | None = None) -> EncoderModel:

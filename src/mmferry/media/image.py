@@ -10,13 +10,13 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from mmferry.errors import MediaError
+from mmferry.files import FileRefused, read_regular
 
 __all__ = ["MAX_PIXELS", "ImageSource", "load_image", "load_images", "source_name"]
 
@@ -26,11 +26,19 @@ MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
 ImageSource = bytes | bytearray | memoryview | str | os.PathLike | Image.Image | np.ndarray
 
-# What Pillow raises on corrupt, truncated or unsupported data (struct/Index errors come from
-# plugins reading short headers).
-_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError,
-                  Image.DecompressionBombError)
+# What Pillow raises on corrupt, truncated or unsupported data is open-ended: besides
+# OSError / SyntaxError / ValueError its plugins raise NotImplementedError (DDS, PSD),
+# OverflowError, struct.error, ZeroDivisionError, KeyError, IndexError, MemoryError and more
+# (see tests/test_media_fuzz.py). Any exception from decoding untrusted bytes is the media's
+# fault, so each becomes a MediaError naming the source.
+_DECODE_ERRORS = (Exception,)
 _EXIF_ORIENTATION = 0x0112
+
+
+def max_file_bytes(max_pixels: int = MAX_PIXELS) -> int:
+    """The largest image file read: uncompressed 4-byte pixels at the pixel limit, plus
+    room for headers and metadata; anything bigger cannot be an image within the limit."""
+    return 4 * max_pixels + (16 << 20)
 
 
 def source_name(source: Any, index: int | None = None) -> str:
@@ -86,7 +94,8 @@ def _open(data: bytes | bytearray | memoryview, name: str, max_pixels: int) -> I
     except Image.UnidentifiedImageError:
         raise MediaError("cannot identify an image format", source=name) from None
     except _DECODE_ERRORS as e:
-        raise MediaError(f"cannot identify an image ({e})", source=name) from None
+        raise MediaError(f"cannot identify an image ({type(e).__name__}: {e})",
+                         source=name) from None
     # The header gives the size; refuse before decoding a single pixel.
     _check_size(img.width, img.height, max_pixels, name)
     try:
@@ -94,8 +103,8 @@ def _open(data: bytes | bytearray | memoryview, name: str, max_pixels: int) -> I
         if img.getexif().get(_EXIF_ORIENTATION, 1) != 1:
             img = ImageOps.exif_transpose(img)
     except _DECODE_ERRORS as e:
-        raise MediaError(f"cannot decode the image ({e}); is the file truncated?",
-                         source=name) from None
+        raise MediaError(f"cannot decode the image ({type(e).__name__}: {e}); is the file "
+                         "truncated or corrupt?", source=name) from None
     return img
 
 
@@ -112,12 +121,11 @@ def _load(source: Any, name: str, max_pixels: int) -> Image.Image:
     elif isinstance(source, str | os.PathLike):
         try:
             # Read whole: the compressed bytes are small next to the pixels, and no file
-            # handle outlives the call (Pillow keeps multi-frame files open).
-            data = Path(source).read_bytes()
-        except FileNotFoundError:
-            raise MediaError("no such file", source=name) from None
-        except OSError as e:
-            raise MediaError(f"cannot read the file ({e.strerror or e})", source=name) from None
+            # handle outlives the call (Pillow keeps multi-frame files open). Only regular
+            # files, size-checked first: a FIFO or a device must not block or stream forever.
+            data = read_regular(source, max_file_bytes(max_pixels))
+        except FileRefused as e:
+            raise MediaError(e.reason, source=name) from None
         img = _open(data, name, max_pixels)
     else:
         raise MediaError(
@@ -128,7 +136,8 @@ def _load(source: Any, name: str, max_pixels: int) -> Image.Image:
     try:
         return _to_rgb(img)
     except _DECODE_ERRORS as e:
-        raise MediaError(f"cannot convert the image to RGB ({e})", source=name) from None
+        raise MediaError(f"cannot convert the image to RGB ({type(e).__name__}: {e})",
+                         source=name) from None
 
 
 def load_image(source: ImageSource, *, index: int | None = None,

@@ -23,7 +23,12 @@ __all__ = ["CheckpointError", "load", "model_class", "names"]
 
 _REGISTRY: dict[str, str] = {
     "qwen2-vl": "mmferry.models.qwen2_vl:Qwen2VL",
+    "minicpm-v-4.6": "mmferry.models.minicpm_v4_6:MiniCPMV46",
+    "llava-onevision2": "mmferry.models.llava_onevision2:LlavaOnevision2",
+    "ernie4.5-vl": "mmferry.models.ernie4_5_vl:Ernie45VL",
+    "isaac": "mmferry.models.isaac:IsaacModel",
     "qwen2-audio": "mmferry.models.qwen2_audio:Qwen2Audio",
+    "firered-lid": "mmferry.models.firered_lid:FireRedLID",
     "moss-transcribe-diarize": "mmferry.models.moss_transcribe_diarize:MossTranscribeDiarize",
 }
 SEED = 0

@@ -8,7 +8,9 @@ weights), lazily, one file at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,38 +20,117 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mmferry.errors import CheckpointError
+from mmferry.errors import ArgumentError, CheckpointError
+from mmferry.files import FileRefused, read_regular
 
-__all__ = ["CheckpointError", "load_safetensors", "read_json"]
+__all__ = ["CheckpointError", "config_values", "load_safetensors", "read_json"]
 
 INDEX = "model.safetensors.index.json"
+# config.json, preprocessor_config.json and shard indexes are kilobytes to a few megabytes.
+MAX_JSON_BYTES = 64 << 20
+# safetensors dtype names of floating-point tensors (cast to the parameter's dtype on load).
+_FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ",
+                       "F8_E5M2FNUZ", "F8_E8M0"})
 
 
 def read_json(folder: str | Path, name: str) -> dict[str, Any]:
     """``folder/name`` parsed; a missing or malformed file is a :class:`CheckpointError`."""
     path = Path(folder) / name
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
+        data = json.loads(read_regular(path, MAX_JSON_BYTES))
+    except FileRefused as e:
+        raise CheckpointError(f"{path}: {e.reason}") from None
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def config_values(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The entries of ``values`` that name fields of the dataclass ``cls``, each checked
+    against the type of the field's default: ints are ints (not bools) and positive, floats
+    are finite positive numbers, strings are strings, tuples of floats are lists of finite
+    numbers. ``where`` prefixes the key in errors (``vision_config``).
+
+    Raises:
+        ArgumentError: naming ``where.key`` and the bad value (``argument="config"``).
+    """
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value, default, key = values[f.name], f.default, f"{where}.{f.name}" if where else f.name
+
+        def bad(expected: str, value: Any = value, key: str = key) -> ArgumentError:
+            return ArgumentError(f"{key} must be {expected}, got {value!r}", argument="config")
+
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise bad("true or false")
+        elif isinstance(default, int):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad("a positive integer")
+        elif isinstance(default, float):
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):
+                raise bad("a positive number")
+            value = float(value)
+        elif isinstance(default, str):
+            if not isinstance(value, str):
+                raise bad("a string")
+        elif isinstance(default, tuple):
+            if not isinstance(value, list | tuple) or len(value) != len(default) or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in value):
+                raise bad(f"a list of {len(default)} numbers")
+            value = tuple(float(v) for v in value)
+        out[f.name] = value
+    return out
 
 
 def _key_files(folder: Path) -> dict[str, Path]:
-    """Every tensor key in the checkpoint and the file that holds it."""
+    """Every tensor key in the checkpoint and the file that holds it.
+
+    A key that two sources give is ambiguous, never last-one-wins: two ``*.safetensors``
+    files holding the same key, or a file the index does not name that holds a key the
+    index maps elsewhere (an index beside a stray single-file checkpoint), is a
+    :class:`CheckpointError` naming both files.
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    out: dict[str, Path] = {}
     if (folder / INDEX).is_file():
         weight_map = read_json(folder, INDEX).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{folder / INDEX}: no weight_map")
-        return {key: folder / file for key, file in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError(f"{folder / INDEX}: no weight_map of tensor name -> file name")
+        for key, name in weight_map.items():
+            file = folder / name
+            if file.parent != folder:
+                raise CheckpointError(f"{folder / INDEX}: {key!r} maps to {name!r}, outside "
+                                      "the checkpoint folder")
+            out[key] = file
+        named = set(out.values())
+        for file in files:
+            if file in named:
+                continue
+            with _open(file) as f:
+                both = sorted(k for k in f.keys() if k in out)  # noqa: SIM118 (not a dict)
+            if both:
+                raise CheckpointError(
+                    f"{folder}: ambiguous checkpoint: {file.name} and {INDEX} (via "
+                    f"{out[both[0]].name}) both give {_listing(both)}", parameter=both[0])
+        return out
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors files and no {INDEX}")
-    out: dict[str, Path] = {}
     for file in files:
         with _open(file) as f:
-            out.update(dict.fromkeys(f.keys(), file))
+            for key in f.keys():  # noqa: SIM118 (not a dict)
+                if key in out:
+                    raise CheckpointError(
+                        f"{folder}: ambiguous checkpoint: {out[key].name} and {file.name} both "
+                        f"hold {key!r}", parameter=key)
+                out[key] = file
     return out
 
 
@@ -65,12 +146,16 @@ def _listing(names: list[str]) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[str, str]) -> None:
+def load_safetensors(module: nn.Module, folder: str | Path,
+                     prefixes: Mapping[str, str | None]) -> None:
     """Copy the checkpoint's tensors into ``module``'s parameters and buffers by name.
 
     ``prefixes`` maps a checkpoint key prefix to the module's name prefix (e.g.
-    ``{"model.visual.": "visual."}``); keys under no prefix are not read. Every check runs
-    before any tensor is copied. Values are cast to each parameter's dtype.
+    ``{"model.visual.": "visual."}``); keys under no prefix are not read, nor are keys whose
+    longest matching prefix maps to ``None`` (tensors a checkpoint may carry that the module
+    recomputes, such as a saved positional table). Every check runs before any tensor is
+    copied. Floating-point values are cast to each parameter's dtype; a non-floating tensor
+    for a floating-point parameter is an error, not a cast.
 
     Raises:
         CheckpointError: a parameter the checkpoint lacks, a tensor whose shape differs from
@@ -84,6 +169,8 @@ def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[st
     for key, file in _key_files(folder).items():
         for prefix in sorted(prefixes, key=len, reverse=True):
             if key.startswith(prefix):
+                if prefixes[prefix] is None:
+                    break
                 name = prefixes[prefix] + key[len(prefix):]
                 if name in wanted:
                     raise CheckpointError(
@@ -115,11 +202,18 @@ def load_safetensors(module: nn.Module, folder: str | Path, prefixes: Mapping[st
             handles[file] = f = stack.enter_context(_open(file))
             for name in names:
                 key = wanted[name][0]
-                shape = tuple(f.get_slice(key).get_shape())
+                tensor = f.get_slice(key)
+                shape = tuple(tensor.get_shape())
                 if shape != tuple(params[name].shape):
                     raise CheckpointError(
                         f"{folder}: {key!r} has shape {list(shape)} but parameter {name!r} "
                         f"has {list(params[name].shape)}", parameter=name)
+                stored = tensor.get_dtype()
+                if params[name].is_floating_point() and stored not in _FLOATING:
+                    # Casting integers or booleans to weights would load garbage silently.
+                    raise CheckpointError(
+                        f"{file}: {key!r} is stored as {stored}, not floating point, but "
+                        f"parameter {name!r} is {params[name].dtype}", parameter=name)
         with torch.no_grad():
             for file, names in by_file.items():
                 for name in names:

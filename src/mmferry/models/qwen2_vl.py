@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
@@ -30,7 +30,7 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError, MediaError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_image, load_video
-from mmferry.models.checkpoint import read_json
+from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import upload
 
 __all__ = ["TINY", "ProcessorConfig", "Qwen2VL", "VisionConfig", "smart_resize"]
@@ -47,7 +47,7 @@ class VisionConfig:
     embed_dim: int = 1280
     hidden_size: int = 3584  # the merger's output size, the language model's width
     num_heads: int = 16
-    mlp_ratio: float = 4
+    mlp_ratio: float = 4.0
     hidden_act: str = "quick_gelu"
     in_channels: int = 3
     patch_size: int = 14
@@ -59,26 +59,25 @@ class VisionConfig:
     def from_dict(cls, config: Mapping[str, Any]) -> VisionConfig:
         """Read a checkpoint's ``config.json`` content (or its ``vision_config`` alone)."""
         model_type = config.get("model_type")
+        where = ""
         if "vision_config" in config:
             if model_type not in (None, "qwen2_vl"):
                 raise ArgumentError(
                     f"config is for model_type {model_type!r}, not 'qwen2_vl'", argument="config"
                 )
-            config = config["vision_config"]
+            config, where = config["vision_config"], "vision_config"
+            if not isinstance(config, Mapping):
+                raise ArgumentError(f"vision_config must be an object, got {config!r}",
+                                    argument="config")
         vision = dict(config)
         # Older checkpoints spell these differently.
         for old, new in (("in_chans", "in_channels"), ("spatial_patch_size", "patch_size")):
             if old in vision:
                 vision.setdefault(new, vision[old])
         rope = vision.get("rope_parameters") or {}
-        if "rope_theta" in rope:
+        if isinstance(rope, Mapping) and "rope_theta" in rope:
             vision["rope_theta"] = rope["rope_theta"]
-        names = {f.name for f in fields(cls)}
-        out = cls(**{k: v for k, v in vision.items() if k in names})
-        for name in ("patch_size", "temporal_patch_size"):
-            if not isinstance(getattr(out, name), int):
-                raise ArgumentError(f"vision_config.{name} must be an int, got "
-                                    f"{getattr(out, name)!r}", argument="config")
+        out = cls(**config_values(cls, vision, where))
         if out.embed_dim % out.num_heads or (out.embed_dim // out.num_heads) % 4:
             raise ArgumentError(
                 f"embed_dim {out.embed_dim} must split into {out.num_heads} heads of a size "
@@ -108,16 +107,44 @@ class ProcessorConfig:
     def from_dict(cls, config: Mapping[str, Any]) -> ProcessorConfig:
         """Read a checkpoint's ``preprocessor_config.json`` content."""
         size = config.get("size") or {}
-        out = cls()
-        min_pixels = config.get("min_pixels", size.get("shortest_edge", out.min_pixels))
-        max_pixels = config.get("max_pixels", size.get("longest_edge", out.max_pixels))
-        return replace(
-            out,
-            min_pixels=int(min_pixels),
-            max_pixels=int(max_pixels),
-            image_mean=tuple(config.get("image_mean", out.image_mean)),
-            image_std=tuple(config.get("image_std", out.image_std)),
-        )
+        if not isinstance(size, Mapping):
+            raise ArgumentError(f"size must be an object, got {size!r}", argument="config")
+        values = {k: config[k] for k in ("min_pixels", "max_pixels", "image_mean", "image_std")
+                  if k in config}
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if key not in values and edge in size:
+                values[key] = size[edge]
+        out = replace(cls(), **config_values(cls, values, ""))
+        check_resize_bounds(out.min_pixels, out.max_pixels, argument="config")
+        if any(s == 0 for s in out.image_std):
+            raise ArgumentError(f"image_std must not hold 0, got {list(out.image_std)}",
+                                argument="config")
+        return out
+
+
+# Bounds on the resize options. max_pixels: Qwen's own documentation goes up to 16384
+# patches of 28x28. min_pixels is a floor for small images; above the default max_pixels
+# (about a megapixel) it would only upscale tiny images into huge tensors (a 1x1 image with
+# min_pixels=10**8 would become a 2.4 GB float tensor).
+MAX_RESIZE_PIXELS = 28 * 28 * 16384
+MAX_MIN_PIXELS = 28 * 28 * 1280
+
+
+def check_resize_bounds(min_pixels: Any, max_pixels: Any, *, argument: str) -> None:
+    """``min_pixels`` / ``max_pixels`` as positive ints with ``min <= max``, ``min`` at most
+    :data:`MAX_MIN_PIXELS` and ``max`` at most :data:`MAX_RESIZE_PIXELS`.
+
+    Raises:
+        ArgumentError: naming the option (and ``argument``) and the bound.
+    """
+    for name, value, high in (("min_pixels", min_pixels, MAX_MIN_PIXELS),
+                              ("max_pixels", max_pixels, MAX_RESIZE_PIXELS)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise ArgumentError(f"{name} must be an int in [1, {high}], got {value!r}",
+                                argument=name if argument == "options" else argument)
+    if min_pixels > max_pixels:
+        raise ArgumentError(f"min_pixels {min_pixels} is above max_pixels {max_pixels}",
+                            argument="min_pixels" if argument == "options" else argument)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -447,7 +474,8 @@ class Qwen2VL(nn.Module):
         Raises:
             MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
                 above 200; it names the file or ``item N``.
-            ArgumentError: audio, or an option other than ``min_pixels`` / ``max_pixels``.
+            ArgumentError: audio, an option other than ``min_pixels`` / ``max_pixels``, or
+                one of those that is not an int within :func:`check_resize_bounds`.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; qwen2-vl takes "
@@ -455,16 +483,27 @@ class Qwen2VL(nn.Module):
         if audios is not None:
             raise ArgumentError("qwen2-vl takes images and videos, not audio", argument="audios")
         pc = self.processor_config
+        # Every option is checked before any media is read; the pair per modality in use.
+        check_resize_bounds(1 if min_pixels is None else min_pixels,
+                            MAX_RESIZE_PIXELS if max_pixels is None else max_pixels,
+                            argument="options")
+        bounds = {}
+        for modality, low, high in (("image", pc.min_pixels, pc.max_pixels),
+                                    ("video", pc.video_min_pixels, pc.video_max_pixels)):
+            bounds[modality] = (low if min_pixels is None else min_pixels,
+                                high if max_pixels is None else max_pixels)
+        images, videos = _as_list(images), _as_videos(videos)
+        for modality, media in (("image", images), ("video", videos)):
+            if media:
+                check_resize_bounds(*bounds[modality], argument="options")
         out: dict[str, torch.Tensor] = {}
-        images = [load_image(x, index=i) for i, x in enumerate(_as_list(images))]
+        images = [load_image(x, index=i) for i, x in enumerate(images)]
         if images:
             frames = [[img] for img in images]
-            self._process(out, "image", frames, min_pixels or pc.min_pixels,
-                          max_pixels or pc.max_pixels)
-        videos = [load_video(v, index=i) for i, v in enumerate(_as_videos(videos))]
+            self._process(out, "image", frames, *bounds["image"])
+        videos = [load_video(v, index=i) for i, v in enumerate(videos)]
         if videos:
-            self._process(out, "video", videos, min_pixels or pc.video_min_pixels,
-                          max_pixels or pc.video_max_pixels)
+            self._process(out, "video", videos, *bounds["video"])
         return out
 
     def _process(self, out: dict[str, torch.Tensor], modality: str,
@@ -564,9 +603,10 @@ class Qwen2VL(nn.Module):
     def encode(self, **batch: Any) -> torch.Tensor:
         """One modality's batch to ``[Σ tokens, hidden_size]``.
 
-        ``pixel_values`` + ``image_grid_thw`` (or the video pair) run the vision tower;
-        ``image_embeds`` / ``video_embeds`` pass through unchanged. The grid is read on the
-        host; only the pixels need to be on the model's device.
+        ``pixel_values`` + ``image_grid_thw`` (or the video pair) run the vision tower. The
+        grid is read on the host; only the pixels need to be on the model's device.
+        Precomputed ``image_embeds`` / ``video_embeds`` never reach here: the runner passes
+        them through (the one place that policy lives) after ``check_item`` has checked them.
         """
         modalities = [m for m, names in _FIELDS.items() if any(k in batch for k in names)]
         if len(modalities) != 1:
@@ -576,19 +616,12 @@ class Qwen2VL(nn.Module):
         unknown = set(batch) - set(_FIELDS[modalities[0]])
         if unknown:
             raise ContractError("not a qwen2-vl field", field=sorted(unknown)[0])
-        if values in batch and embeds in batch:
-            raise ContractError(f"give {values} or {embeds}, not both", field=embeds)
+        if embeds in batch:
+            raise ContractError("precomputed embeddings are passed through by EncoderRunner, "
+                                "not encoded", field=embeds)
         if grid_name not in batch:
             raise ContractError("missing from the batch", field=grid_name)
         grid = _grid_rows(grid_name, batch[grid_name])
-        merge2 = self.config.spatial_merge_size ** 2
-        if embeds in batch:
-            out = batch[embeds]
-            tokens = sum(t * h * w // merge2 for t, h, w in grid)
-            if out.ndim != 2 or out.shape[0] != tokens or out.shape[1] != self.hidden_size:
-                raise ContractError(f"expected [{tokens}, {self.hidden_size}] from the grid, got "
-                                    f"{list(out.shape)}", field=embeds)
-            return out
         pixels = batch.get(values)
         if pixels is None:
             raise ContractError("missing from the batch", field=values)
