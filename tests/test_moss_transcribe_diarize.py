@@ -88,7 +88,8 @@ def _reference(model: moss.MossTranscribeDiarize) -> object:
 
 def test_embeddings_equal_transformers_batched_and_alone(model, clips) -> None:
     ref = _reference(model)
-    clips = [clips[1], clips[3]]  # a partial chunk; two chunks, the second partial
+    # A partial chunk; one full chunk (alone, every row kept); two chunks, the second partial.
+    clips = [clips[1], clips[2], clips[3]]
     out = model.processor(audios=[(c, 16000) for c in clips])
     feats = MossTranscribeDiarizeFeatureExtractor(feature_size=80)(clips, sampling_rate=16000,
                                                                    return_tensors="pt")

@@ -96,3 +96,18 @@ def test_frames_that_stop_short_of_the_chunk_and_tiny_clips() -> None:
     ref = _reference(clips, cfg)
     torch.testing.assert_close(features, ref["input_features"], atol=1e-4, rtol=0)
     assert torch.equal(mask, ref["attention_mask"])
+
+
+def test_a_folder_s_processor_files_set_the_features(tmp_path) -> None:
+    import json
+
+    from mmferry.models.whisper import features_from_folder
+
+    base = FeatureConfig(feature_size=128)
+    assert features_from_folder(None, base) is base
+    assert features_from_folder(tmp_path, base) is base
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "X", "feature_extractor": {"feature_size": 64, "chunk_length": 10}}))
+    assert features_from_folder(tmp_path, base) == FeatureConfig(feature_size=64, chunk_length=10)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"feature_size": 80}))
+    assert features_from_folder(tmp_path, base) == FeatureConfig(feature_size=80)

@@ -14,7 +14,8 @@ NAME = "moss-transcribe-diarize"
 REFERENCE = "transformers MossTranscribeDiarizeModel.get_audio_features"
 
 
-def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+def build(depth: int = 2, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+          ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
     from transformers import MossTranscribeDiarizeConfig
     from transformers.models.moss_transcribe_diarize.feature_extraction_moss_transcribe_diarize import (
         MossTranscribeDiarizeFeatureExtractor,
@@ -42,6 +43,11 @@ def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torc
     inputs = ours.processor(audios=[(clip, 16000)])
     fe = MossTranscribeDiarizeFeatureExtractor(feature_size=80)
     ref = fe([clip], sampling_rate=16000, return_tensors="pt")
+    ours.to(device, dtype)
+    theirs.to(device, dtype)
+    # The features go to the device; our three length fields stay on the host.
+    inputs["input_features"] = inputs["input_features"].to(device)
+    ref = {k: v.to(device) for k, v in ref.items()}
 
     def run_ours() -> torch.Tensor:
         with torch.inference_mode():

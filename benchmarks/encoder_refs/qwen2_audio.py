@@ -13,7 +13,8 @@ NAME = "qwen2-audio"
 REFERENCE = "transformers Qwen2AudioEncoder + projector (Qwen2AudioModel.forward's audio path)"
 
 
-def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+def build(depth: int = 2, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+          ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
     from transformers import Qwen2AudioEncoderConfig
     from transformers.masking_utils import create_bidirectional_mask
     from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
@@ -37,7 +38,12 @@ def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torc
     # Two requests' clips: 6.2 s and 17.9 s of speech-like audio.
     clips = [(samples.speech_like(s, 16000, seed=i), 16000) for i, s in enumerate((6.2, 17.9))]
     inputs = ours.processor(audios=clips)
-    features, mask = inputs["input_features"], inputs["feature_attention_mask"]
+    ours.to(device, dtype)
+    tower.to(device, dtype)
+    projector.to(device, dtype)
+    # The features go to the device; the length fields stay on the host, where they belong.
+    inputs["input_features"] = inputs["input_features"].to(device)
+    features, mask = inputs["input_features"], inputs["feature_attention_mask"].to(device)
 
     def run_ours() -> torch.Tensor:
         with torch.inference_mode():
@@ -50,12 +56,13 @@ def build(depth: int = 2) -> tuple[Callable[[], torch.Tensor], Callable[[], torc
             feat_lengths, out_lengths = tower._get_feat_extract_output_lengths(mask.sum(-1))
             b, _, frames = features.shape
             positions = (frames - 2) // 2 + 1
-            valid = (torch.arange(positions)[None, :] < feat_lengths[:, None]).long()
-            attention = create_bidirectional_mask(config=tower.config,
-                                                  inputs_embeds=torch.zeros(b, positions, 1),
-                                                  attention_mask=valid)
+            valid = (torch.arange(positions, device=mask.device)[None, :] < feat_lengths[:, None]).long()
+            attention = create_bidirectional_mask(
+                config=tower.config, inputs_embeds=torch.zeros(b, positions, 1, dtype=dtype,
+                                                               device=mask.device),
+                attention_mask=valid)
             embeds = projector(tower(features, attention_mask=attention).last_hidden_state)
-            keep = torch.arange(embeds.shape[1])[None, :] < out_lengths[:, None]
+            keep = torch.arange(embeds.shape[1], device=mask.device)[None, :] < out_lengths[:, None]
             return embeds[keep]
 
     return run_ours, run_theirs

@@ -32,13 +32,13 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_audios
-from mmferry.models.checkpoint import read_json
 from mmferry.models.whisper import (
     AudioEncoder,
     EncoderConfig,
     FeatureConfig,
     dummy_clip,
     encoder_lengths,
+    features_from_folder,
     log_mel,
 )
 
@@ -180,10 +180,7 @@ class MossTranscribeDiarize(nn.Module):
         """The tiny encoder (``config=None``) or the one a ``config.json`` describes; a
         checkpoint folder's ``preprocessor_config.json`` sets the features and the chunk."""
         cfg = TINY if config is None else MossConfig.from_dict(config)
-        features = FEATURES
-        if folder is not None and (folder / "preprocessor_config.json").is_file():
-            features = FeatureConfig.from_dict(read_json(folder, "preprocessor_config.json"), FEATURES)
-        return cls(cfg, features)
+        return cls(cfg, features_from_folder(folder, FEATURES))
 
     @property
     def _max_chunk_tokens(self) -> int:
@@ -307,8 +304,7 @@ class MossTranscribeDiarize(nn.Module):
         weight = self.multi_modal_projector.linear_1.weight
         if not lengths:
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        hidden = self.audio_tower(features, audio.max_source_positions)
-        kept = torch.cat([hidden[c, :n * merge] for c, n in enumerate(lengths)])
+        kept = self.audio_tower.first_rows(features, [n * merge for n in lengths])
         return self.multi_modal_projector(kept.reshape(-1, merge * audio.d_model))
 
     def dummy_inputs(self) -> dict[str, torch.Tensor]:

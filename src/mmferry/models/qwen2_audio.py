@@ -31,13 +31,13 @@ from torch import nn
 from mmferry.errors import ArgumentError, ContractError
 from mmferry.fields import FieldSpec
 from mmferry.media import load_audios
-from mmferry.models.checkpoint import read_json
 from mmferry.models.whisper import (
     AudioEncoder,
     EncoderConfig,
     FeatureConfig,
     dummy_clip,
     encoder_lengths,
+    features_from_folder,
     log_mel,
 )
 from mmferry.transfer import upload
@@ -140,10 +140,7 @@ class Qwen2Audio(nn.Module):
         """The tiny encoder (``config=None``) or the one a ``config.json`` describes; a
         checkpoint folder's ``preprocessor_config.json`` sets the features."""
         cfg = TINY if config is None else Qwen2AudioConfig.from_dict(config)
-        features = FEATURES
-        if folder is not None and (folder / "preprocessor_config.json").is_file():
-            features = FeatureConfig.from_dict(read_json(folder, "preprocessor_config.json"), FEATURES)
-        return cls(cfg, features)
+        return cls(cfg, features_from_folder(folder, FEATURES))
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   **kwargs: Any) -> dict[str, torch.Tensor]:

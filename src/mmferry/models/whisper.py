@@ -7,12 +7,14 @@
   (two convolutions, learned positions, pre-norm layers, final LayerNorm) under the parameter
   names of transformers' Whisper-style encoders (``conv1``, ``layers.N.self_attn.q_proj``, ...).
 
-How the log-mel is fast (torch, not numpy): the STFT is ``torch.stft`` on the reflect-padded
-signal (numpy's FFT was 4x slower here on 400-point frames); the power spectrum is
-``re² + im²`` on the complex output's real view (``abs() ** 2`` takes a square root first and
-is ~40x slower); the mel projection multiplies only the band of FFT bins each block of
-filters covers (the filters are triangles over a few bins, so the dense ``[mels, 201]``
-matmul is mostly zeros); and frames past the end of a clip, which hold only padding, are not
+How the log-mel is fast, in torch rather than numpy (numpy's FFT was 4x slower here on
+400-point frames, and torch's runs on the same thread pool as the rest): the STFT is what
+``torch.stft`` computes (windowed frames, real FFT) written into per-thread buffers reused
+across calls, so a 30 s clip does not fault in ~10 MB of fresh pages each time; the power
+spectrum is ``re² + im²`` squared in place on the complex output (``abs() ** 2`` takes a
+square root first and is ~40x slower); the mel projection multiplies only the band of FFT
+bins each block of 16 filters covers (the filters are triangles a few bins wide, so the dense
+``[mels, 201]`` product is mostly zeros); and frames that see only a clip's padding are not
 transformed at all: they are the constant log of the floor.
 """
 
@@ -23,6 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,7 @@ from torch import nn
 
 from mmferry.errors import ArgumentError
 from mmferry.media import samples
+from mmferry.models.checkpoint import read_json
 
 __all__ = [
     "AudioEncoder",
@@ -39,6 +43,7 @@ __all__ = [
     "EncoderLayer",
     "FeatureConfig",
     "dummy_clip",
+    "features_from_folder",
     "log_mel",
     "mel_filters",
 ]
@@ -101,6 +106,20 @@ class FeatureConfig:
             raise ArgumentError("dithering adds random noise; only 0.0 is supported",
                                 argument="dither")
         return out
+
+
+def features_from_folder(folder: Path | None, base: FeatureConfig) -> FeatureConfig:
+    """The features a checkpoint folder's processor files set, as ``from_pretrained`` reads
+    them: ``preprocessor_config.json``, else the ``feature_extractor`` entry of a combined
+    ``processor_config.json``; ``base`` where the folder has neither (or for ``None``)."""
+    if folder is None:
+        return base
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        if (folder / name).is_file():
+            config = read_json(folder, name)
+            if name == "preprocessor_config.json" or "feature_extractor" in config:
+                return FeatureConfig.from_dict(config, base)
+    return base
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
@@ -176,9 +195,10 @@ def _frames_to_compute(length: int, cfg: FeatureConfig) -> int:
 class _Workspace(threading.local):
     """Per-thread scratch tensors for one clip's STFT, reused across calls.
 
-    A 30 s clip's frames and spectrum are ~10 MB; fresh tensors of that size are fresh pages,
-    and on a busy machine their page faults cost as much as the FFT. Reuse bounds the memory
-    to one clip's worth per thread (clips are transformed one at a time)."""
+    A 30 s clip's padded signal, windowed frames and mel power are ~7 MB; fresh tensors of
+    that size are fresh pages, and on a busy machine their page faults cost as much as the
+    FFT. Reuse bounds the memory to one clip's worth per thread (clips are transformed one at
+    a time)."""
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
@@ -228,8 +248,8 @@ def log_mel(waveforms: Sequence[np.ndarray], cfg: FeatureConfig) -> tuple[torch.
             padded[half + n:end] = padded[half + n - 2:half + n - 2 - right:-1]
         framed = _WORK.get("frames", (todo, n_fft), torch.float32)
         torch.mul(signal[:span].unfold(0, n_fft, hop), window, out=framed)
-        spec = _WORK.get("spec", (todo, bins), torch.complex64)
-        torch.fft.rfft(framed, dim=-1, out=spec)
+        # rfft's own output: with out= it computes into a temporary and copies (30% slower).
+        spec = torch.fft.rfft(framed, dim=-1)
         # Per frame, (re, im) of each bin; squared in place, a filter bank holding each weight
         # twice (for re² and im²) gives the mel power with no |.| and no new tensor.
         squares = torch.view_as_real(spec).view(todo, 2 * bins).square_()
@@ -318,17 +338,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None,
+                queries: int | None = None) -> torch.Tensor:
+        """Every row of ``x`` is a key; the first ``queries`` rows (all when None) query."""
         b, n, _ = x.shape
+        m = n if queries is None else queries
         # The query is scaled before the product, as Whisper does (and its checkpoints expect
-        # to the last bit).
-        # Heads made contiguous: the CPU attention kernel runs ~15% faster on them than on
-        # the strided views, for a copy of a few percent of its time.
-        q = (self.q_proj(x) * self.scaling).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
+        # to the last bit). Heads are made contiguous: the CPU attention kernel runs ~15%
+        # faster on them than on strided views, for a copy of a few percent of its time.
+        q = (self.q_proj(x[:, :m]) * self.scaling).view(b, m, self.heads, -1).transpose(1, 2).contiguous()
         k = self.k_proj(x).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
         v = self.v_proj(x).view(b, n, self.heads, -1).transpose(1, 2).contiguous()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=1.0)
-        return self.out_proj(o.transpose(1, 2).reshape(b, n, -1))
+        return self.out_proj(o.transpose(1, 2).reshape(b, m, -1))
 
 
 class EncoderLayer(nn.Module):
@@ -343,8 +365,11 @@ class EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.act = _ACTIVATIONS[cfg.activation_function]
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None,
+                rows: int | None = None) -> torch.Tensor:
+        """``rows``: only the first ``rows`` outputs are wanted (all positions stay keys)."""
+        attended = self.self_attn(self.self_attn_layer_norm(x), key_mask, rows)
+        x = (x if rows is None else x[:, :rows]) + attended
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
@@ -387,6 +412,24 @@ class AudioEncoder(nn.Module):
             x = layer(x, key_mask)
         if pool > 1:
             x = x.unflatten(1, (positions // pool, pool)).mean(dim=2)
+        return self.layer_norm(x)
+
+
+    def first_rows(self, features: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Every position of each ``[mels, frames]`` row of ``features`` runs through the
+        layers with full attention (Whisper's own use: no mask), and the first ``rows[i]``
+        outputs of row i come back, concatenated: ``[Σ rows, d]``. The last layer computes
+        only the rows wanted (its keys still cover every position): the same numbers as the
+        full run, with less of the last layer's work for a chunk that is mostly padding."""
+        positions = self.cfg.max_source_positions
+        x = self.embed(features, positions)
+        *layers, last = self.layers
+        for layer in layers:
+            x = layer(x)
+        if all(n == positions for n in rows):
+            x = last(x).flatten(0, 1)
+        else:
+            x = torch.cat([last(x[i:i + 1], rows=n)[0] for i, n in enumerate(rows)])
         return self.layer_norm(x)
 
 
