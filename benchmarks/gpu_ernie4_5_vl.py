@@ -10,7 +10,7 @@ encoder's time against transformers'.
    bfloat16: ours against transformers' vision tower + resampler on the same weights,
    median of CUDA-event timings.
 
-    python3 benchmarks/ernie4_5_vl_gpu.py
+    python3 benchmarks/gpu_ernie4_5_vl.py
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def compare_speed() -> None:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        print("gpu_ernie4_5_vl: skipped, CUDA is not available on this machine")
+        return
     print(torch.__version__, torch.cuda.get_device_name())
     check_placement()
     compare_speed()
