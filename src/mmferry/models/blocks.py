@@ -1,5 +1,6 @@
 """Building blocks several models share: activations, 2-D rotary helpers, attention within
-frames, the two-layer MLP, and how error messages describe a value. Not a model: nothing
+frames, the two-layer MLP, the pre-norm rotary transformer block built from them, and how
+error messages describe a value. Not a model: nothing
 here is registered."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 __all__ = [
     "ACTIVATIONS",
     "Mlp",
+    "RotaryBlock",
     "describe",
     "frame_attention",
     "frame_positions",
@@ -84,4 +86,41 @@ def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
     return type(value).__name__
+
+
+class RotaryAttention(nn.Module):
+    """Fused-qkv attention with rotary positions (applied in float32 whatever the weights'
+    dtype, as the references do), within the frames ``runs`` describe."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        qf, kf = q.float(), k.float()
+        q = (qf * cos + rotate_half(qf) * sin).to(v.dtype)
+        k = (kf * cos + rotate_half(kf) * sin).to(v.dtype)
+        return self.proj(frame_attention(q, k, v, runs))
+
+
+class RotaryBlock(nn.Module):
+    """Pre-norm block: LayerNorm, rotary attention within frames, LayerNorm, MLP (the
+    checkpoint names ``norm1``, ``attn.qkv``, ``attn.proj``, ``norm2``, ``mlp.fc1/fc2``)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, eps: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.attn = RotaryAttention(dim, num_heads)
+        self.mlp = Mlp(dim, mlp_hidden, act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, runs)
+        return x + self.mlp(self.norm2(x))
 

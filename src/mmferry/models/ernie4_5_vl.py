@@ -39,11 +39,9 @@ from mmferry.media import load_image, load_video
 from mmferry.media.arguments import as_images, as_videos
 from mmferry.models.blocks import (
     ACTIVATIONS,
-    Mlp,
+    RotaryBlock,
     describe,
-    frame_attention,
     frame_positions,
-    rotate_half,
 )
 from mmferry.models.checkpoint import read_json
 from mmferry.models.qwen2_vl import smart_resize
@@ -301,38 +299,6 @@ def _draw_timestamps(frames: list[Image.Image], indices: list[int], fps: float,
 # -- encoder -----------------------------------------------------------------------------
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        # Rotary in float32 whatever the weights' dtype, as the reference does.
-        qf, kf = q.float(), k.float()
-        q = (qf * cos + rotate_half(qf) * sin).to(v.dtype)
-        k = (kf * cos + rotate_half(kf) * sin).to(v.dtype)
-        return self.proj(frame_attention(q, k, v, runs))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ErnieConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.width, eps=cfg.vision_eps)
-        self.norm2 = nn.LayerNorm(cfg.width, eps=cfg.vision_eps)
-        self.attn = Attention(cfg.width, cfg.num_heads)
-        self.mlp = Mlp(cfg.width, cfg.intermediate_size, cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, runs)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: ErnieConfig) -> None:
         super().__init__()
@@ -350,7 +316,9 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            RotaryBlock(cfg.width, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act,
+                        cfg.vision_eps) for _ in range(cfg.depth))
         self.ln = nn.LayerNorm(cfg.width, eps=cfg.vision_eps)
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:

@@ -36,6 +36,7 @@ from mmferry.models.whisper import (
     AudioEncoder,
     EncoderConfig,
     FeatureConfig,
+    check_features_fit,
     dummy_clip,
     encoder_lengths,
     features_from_folder,
@@ -160,14 +161,7 @@ class MossTranscribeDiarize(nn.Module):
 
     def __init__(self, config: MossConfig = TINY, features: FeatureConfig = FEATURES) -> None:
         super().__init__()
-        if features.feature_size != config.audio.num_mel_bins:
-            raise ArgumentError(f"the features have {features.feature_size} mel bins but the "
-                                f"encoder takes {config.audio.num_mel_bins}",
-                                argument="feature_size")
-        if features.nb_max_frames != 2 * config.audio.max_source_positions:
-            raise ArgumentError(f"a {features.chunk_length} s chunk gives {features.nb_max_frames}"
-                                f" frames but the encoder takes "
-                                f"{2 * config.audio.max_source_positions}", argument="chunk_length")
+        check_features_fit(features, config.audio)
         self.config = config
         self.features = features
         self.hidden_size = config.text_hidden_size

@@ -42,6 +42,7 @@ __all__ = [
     "EncoderConfig",
     "EncoderLayer",
     "FeatureConfig",
+    "check_features_fit",
     "dummy_clip",
     "features_from_folder",
     "log_mel",
@@ -431,6 +432,22 @@ class AudioEncoder(nn.Module):
         else:
             x = torch.cat([last(x[i:i + 1], rows=n)[0] for i, n in enumerate(rows)])
         return self.layer_norm(x)
+
+
+def check_features_fit(features: FeatureConfig, encoder: EncoderConfig) -> None:
+    """The features a processor makes must be what the encoder takes: as many mel bins, and
+    a chunk of exactly its input length (twice its positions).
+
+    Raises:
+        ArgumentError: naming the feature option that does not fit.
+    """
+    if features.feature_size != encoder.num_mel_bins:
+        raise ArgumentError(f"the features have {features.feature_size} mel bins but the "
+                            f"encoder takes {encoder.num_mel_bins}", argument="feature_size")
+    if features.nb_max_frames != 2 * encoder.max_source_positions:
+        raise ArgumentError(f"a {features.chunk_length} s chunk gives {features.nb_max_frames}"
+                            f" frames but the encoder takes {2 * encoder.max_source_positions}",
+                            argument="chunk_length")
 
 
 def encoder_lengths(mel_frames: int) -> int:
