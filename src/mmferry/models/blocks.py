@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmferry.transfer import upload
+
 __all__ = [
     "ACTIVATIONS",
     "Mlp",
@@ -21,6 +23,7 @@ __all__ = [
     "describe",
     "frame_attention",
     "frame_positions",
+    "frame_rotary",
     "quick_gelu",
     "rotate_half",
 ]
@@ -49,6 +52,31 @@ def frame_positions(h: int, w: int, merge: int) -> np.ndarray:
     pos = pos.reshape(h * w, 2).astype(np.int32)
     pos.setflags(write=False)
     return pos
+
+
+def frame_rotary(grid: Sequence[tuple[int, int, int]], merge: int, head_dim: int, theta: float,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """2-D rotary tables and attention runs for patches in merge-block order.
+
+    ``grid`` holds host ints (t, h, w) per item. The (row, column) position of every patch is
+    host math, uploaded once; rows and columns share the frequencies, a quarter of
+    ``head_dim`` each, built on the device (a few tiny kernels) rather than kept as a buffer,
+    so nothing but the checkpoint's tensors needs initialising. Returns ``cos`` and ``sin``
+    (``[n, 1, head_dim]``, broadcast over heads) and the runs of equal-length frames that
+    :func:`frame_attention` takes."""
+    positions = np.concatenate([np.tile(frame_positions(h, w, merge), (t, 1)) for t, h, w in grid])
+    runs: list[tuple[int, int]] = []
+    for t, h, w in grid:
+        if runs and runs[-1][1] == h * w:
+            runs[-1] = (runs[-1][0] + t, h * w)
+        else:
+            runs.append((t, h * w))
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+    pos = upload(torch.from_numpy(positions), device)
+    freqs = (pos[:, :, None].float() * inv_freq).flatten(1)  # [n, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos(), emb.sin(), runs
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from mmferry.models.blocks import (
     ACTIVATIONS,
     RotaryBlock,
     describe,
-    frame_positions,
+    frame_rotary,
 )
 from mmferry.models.checkpoint import read_json
 from mmferry.models.qwen2_vl import smart_resize
@@ -321,30 +321,12 @@ class VisionTransformer(nn.Module):
                         cfg.vision_eps) for _ in range(cfg.depth))
         self.ln = nn.LayerNorm(cfg.width, eps=cfg.vision_eps)
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        # A quarter of head_dim per axis; rows and columns share the frequencies. Built on the
-        # device rather than kept as a buffer, so nothing but the checkpoint's tensors needs
-        # initialising.
-        half = self.cfg.width // self.cfg.num_heads // 2
-        exponents = torch.arange(0, half, 2, dtype=torch.float, device=device) / half
-        return 1.0 / (self.cfg.rope_theta ** exponents)
-
     def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """``pixels`` ``[Σ t·h·w, C·P·P]`` on the device, ``grid`` host ints per item."""
-        merge = self.cfg.spatial_merge_size
-        positions = np.concatenate(
-            [np.tile(frame_positions(h, w, merge), (t, 1)) for t, h, w in grid])
-        runs: list[tuple[int, int]] = []
-        for t, h, w in grid:
-            if runs and runs[-1][1] == h * w:
-                runs[-1] = (runs[-1][0] + t, h * w)
-            else:
-                runs.append((t, h * w))
         x = self.patch_embed(pixels)
-        pos = upload(torch.from_numpy(positions), x.device)
-        freqs = (pos[:, :, None].float() * self._inv_freq(x.device)).flatten(1)  # [n, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin, runs = frame_rotary(grid, self.cfg.spatial_merge_size,
+                                      self.cfg.width // self.cfg.num_heads, self.cfg.rope_theta,
+                                      x.device)
         for block in self.blocks:
             x = block(x, cos, sin, runs)
         return self.ln(x)
@@ -494,8 +476,8 @@ class Ernie45VL(nn.Module):
         ``[Σ t·h·w, C·P·P]`` / ``video_grid_thw`` (t = frames, padded to even).
 
         ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
-        takes. ``videos``: a sequence of videos, each its frames (or a ``T×H×W×C`` array);
-        a plain sequence of frames is one video. When the checkpoint's video processor
+        takes. ``videos``: videos as :func:`mmferry.media.as_videos` names them (files,
+        frame folders, frames, ``T×H×W×C`` arrays). When the checkpoint's video processor
         draws timestamps (``draw_on_frames``), each frame gets its time at ``fps`` frames
         per second (default 24, transformers' fallback); otherwise none are drawn.
         ``min_pixels`` / ``max_pixels`` override the resize bounds of both. A modality

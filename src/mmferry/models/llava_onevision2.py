@@ -468,8 +468,8 @@ class LlavaOnevision2(nn.Module):
         """Images and videos to vLLM 0.33's OV2 fields.
 
         Images: ``pixel_values`` ``[Σ h·w, C·P·P]`` float32, ``image_grid_thw`` ``[n, 3]``
-        and ``patch_positions`` ``[Σ h·w, 3]`` int64. Videos (each its frames, or a
-        ``T×H×W×C`` array; a plain sequence of frames is one video), frame backend:
+        and ``patch_positions`` ``[Σ h·w, 3]`` int64. Videos (as
+        :func:`mmferry.media.as_videos` names them), frame backend:
         ``pixel_values_videos``, ``video_grid_thw`` (one ``(1, h, w)`` row per frame),
         ``patch_positions_videos``, ``video_num_frames`` ``[n]``, ``frame_timestamps``
         ``[n, max frames]`` float32 (frame index / ``fps``, zero padded) and

@@ -34,10 +34,9 @@ from mmferry.models.blocks import (
     ACTIVATIONS,
     RotaryBlock,
     describe,
-    frame_positions,
+    frame_rotary,
 )
 from mmferry.models.checkpoint import config_values, read_json
-from mmferry.transfer import upload
 
 __all__ = ["TINY", "ProcessorConfig", "Qwen2VL", "VisionConfig", "smart_resize"]
 
@@ -263,31 +262,12 @@ class VisionTower(nn.Module):
                         cfg.hidden_act, 1e-6) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        # A quarter of head_dim per axis; rows and columns share the frequencies. Built on the
-        # device (a few tiny kernels) rather than kept as a buffer, so nothing but the
-        # checkpoint's tensors needs initialising.
-        half = self.cfg.embed_dim // self.cfg.num_heads // 2
-        exponents = torch.arange(0, half, 2, dtype=torch.float, device=device) / half
-        return 1.0 / (self.cfg.rope_theta ** exponents)
-
     def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """``pixels`` ``[sum t*h*w, C*T*P*P]`` on the device, ``grid`` host ints per item."""
-        merge = self.cfg.spatial_merge_size
-        positions = np.concatenate(
-            [np.tile(frame_positions(h, w, merge), (t, 1)) for t, h, w in grid]
-        )
-        runs: list[tuple[int, int]] = []
-        for t, h, w in grid:
-            if runs and runs[-1][1] == h * w:
-                runs[-1] = (runs[-1][0] + t, h * w)
-            else:
-                runs.append((t, h * w))
         x = self.patch_embed(pixels)
-        pos = upload(torch.from_numpy(positions), x.device)
-        freqs = (pos[:, :, None].float() * self._inv_freq(x.device)).flatten(1)  # [n, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin, runs = frame_rotary(grid, self.cfg.spatial_merge_size,
+                                      self.cfg.embed_dim // self.cfg.num_heads, self.cfg.rope_theta,
+                                      x.device)
         for block in self.blocks:
             x = block(x, cos, sin, runs)
         return self.merger(x)
@@ -354,8 +334,8 @@ class Qwen2VL(nn.Module):
         ``image_grid_thw`` ``[n, 3]`` int64 (``pixel_values_videos`` / ``video_grid_thw``).
 
         ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
-        takes. ``videos``: a sequence of videos, each its frames (or a ``T×H×W×C`` array);
-        a plain sequence of frames is one video. Frames are padded to a multiple of the
+        takes. ``videos``: videos as :func:`mmferry.media.as_videos` names them (files,
+        frame folders, frames, ``T×H×W×C`` arrays). Frames are padded to a multiple of the
         temporal patch by repeating the last. ``min_pixels`` / ``max_pixels`` override the
         resize bounds of both. A modality without media has no fields in the output.
 
