@@ -126,3 +126,16 @@ def test_check_normalize_names_the_field() -> None:
     for wrong in (None, HALF):
         with pytest.raises(mf.ContractError, match="pixel_values"):
             check_normalize("pixel_values", wrong, CLIP)
+
+
+def test_fold_sums_a_repeated_input_away() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(8, 3, 2, 4, 4) * 0.05
+    image = torch.randint(0, 256, (5, 3, 1, 4, 4), dtype=torch.uint8)
+    a, c = HALF.affine()
+    repeated = image.expand(5, 3, 2, 4, 4).double() * a.view(1, 3, 1, 1, 1) + c.view(1, 3, 1, 1, 1)
+    expected = F.linear(repeated.float().reshape(5, -1), weight.view(8, -1))
+    w, b = PixelFold()(weight, None, HALF, 1, sum_dims=(2,))
+    assert w.shape == (8, 3, 4, 4)
+    got = F.linear(image.reshape(5, -1).float(), w.view(8, -1), b)
+    assert (got - expected).abs().max() < 1e-5

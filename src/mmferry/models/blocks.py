@@ -177,21 +177,27 @@ class PixelFold:
         self._value: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None, normalize: Normalize,
-                 channel_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 channel_dim: int, sum_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``weight`` ``[out, ...]`` whose dimension ``channel_dim`` is the input channel (a
         conv weight ``[out, C, ...]`` has it at 1; view a linear weight so one dimension is);
-        returns the folded weight, of ``weight``'s shape, and a bias ``[out]``."""
+        returns the folded weight and a bias ``[out]``. ``sum_dims`` are weight dimensions the
+        input repeats along (an image standing for the frames of a temporal patch): they are
+        summed away, so the input is sent once."""
         key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype, weight.device,
-               None if bias is None else (bias.data_ptr(), bias._version), normalize, channel_dim)
+               None if bias is None else (bias.data_ptr(), bias._version), normalize, channel_dim,
+               sum_dims)
         if key != self._key or self._value is None:
             if weight.shape[channel_dim] != normalize.channels:
                 raise ContractError(f"the first layer has {weight.shape[channel_dim]} input "
                                     f"channels, the normalisation {normalize.channels}")
             with torch.no_grad():
                 a, c = (v.to(weight.device) for v in normalize.affine())
-                shape = [1] * weight.ndim
-                shape[channel_dim] = -1
                 w64 = weight.double()
+                if sum_dims:
+                    w64 = w64.sum(dim=sum_dims)
+                    channel_dim -= sum(d < channel_dim for d in sum_dims)
+                shape = [1] * w64.ndim
+                shape[channel_dim] = -1
                 folded = w64 * a.view(shape)
                 shift = (w64 * c.view(shape)).flatten(1).sum(1)
                 if bias is not None:
