@@ -140,9 +140,14 @@ def time_interleaved(
     *,
     runs: int,
     warmups: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> None:
     """One repeat: warm every competitor up, then ``runs`` rounds calling each once, and
     append this repeat's samples to ``timings[name]``.
+
+    ``clock`` gives the seconds read around each call: wall time by default;
+    ``time.process_time`` (this process's CPU time) keeps a single-threaded stage's figure
+    steady on a machine other processes share.
 
     The order within a round alternates, so neither side always runs right after the other
     (cache and allocator state left behind by the previous call).
@@ -154,7 +159,6 @@ def time_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in names}
     faults: dict[str, list[int]] = {name: [] for name in names}
     gc.collect()
-    clock = time.perf_counter
     for r in range(runs):
         for name in names if r % 2 == 0 else reversed(names):
             fn = fns[name]
