@@ -183,6 +183,7 @@ class Subject:
     model: Any
     peers: dict[str, Peer]
     converted: bool
+    error: str | None = None  # what failed while preparing its cases
 
     def ours(self, images: list[Image.Image], dtype: str | None = None,
              mode: str | None = None) -> dict[str, Any]:
@@ -363,16 +364,27 @@ def build_case(s: Subject, size: tuple[int, int], count: int) -> Case:
 
 def run(subjects: list[Subject], args: argparse.Namespace,
         clock: Callable[[], float]) -> tuple[list[Case], dict[str, dict[str, Timing]]]:
-    cases = [build_case(s, size, args.images) for s in subjects for size in args.sizes]
     transfer = mf.Transfer("cpu")
     e2e_images = photos(args.e2e_size, args.e2e_images) if args.e2e_images > 0 else []
+    cases: list[Case] = []
     e2e: dict[str, dict[str, Callable[[], object]]] = {}
     e2e_timings: dict[str, dict[str, Timing]] = {}
-    for s in subjects if e2e_images else []:
-        check_e2e(s, e2e_images, transfer)
-        e2e[s.name] = {label: (lambda d=d, m=m, s=s: end_to_end(s, e2e_images, transfer, d, m))
-                       for label, (d, m) in e2e_paths(s).items()}
-        e2e_timings[s.name] = {label: Timing() for label in e2e[s.name]}
+    for s in subjects:
+        # A model whose processor fails (a conversion in progress) is reported, and the
+        # others still run.
+        try:
+            built = [build_case(s, size, args.images) for size in args.sizes]
+            if e2e_images:
+                check_e2e(s, e2e_images, transfer)
+        except Exception as e:
+            s.error = f"{type(e).__name__}: {e}"
+            continue
+        cases += built
+        if e2e_images:
+            e2e[s.name] = {label: (lambda d=d, m=m, s=s: end_to_end(s, e2e_images, transfer,
+                                                                    d, m))
+                           for label, (d, m) in e2e_paths(s).items()}
+            e2e_timings[s.name] = {label: Timing() for label in e2e[s.name]}
     for _ in range(args.repeats):
         for case in cases:
             time_interleaved(case.fns, case.timings, runs=args.runs, warmups=args.warmups,
@@ -572,13 +584,18 @@ def main(argv: list[str] | None = None) -> int:
     targets += report_pixels(cases)
     targets += report_bytes(cases)
     targets += report_e2e(e2e, args, unit)
+    failed = [s for s in subjects if s.error is not None]
+    for s in failed:
+        print(f"\nERROR {s.name}: {s.error}")
     print("\ntargets")
+    for s in failed:
+        print(f"  {'ERROR':<6}{s.name}: no figures (see above)")
     for text, met in targets:
         print(f"  {'n/a' if met is None else verdict(met):<6}{text}")
     print(f"\nforeign CPU: {watch.foreign_s:.2f} s used by other processes, steal "
           f"{watch.steal_s:.2f} s, during {watch.wall_s:.1f} s of timing "
           "(well above 0 means contaminated wall-time figures)")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
