@@ -187,6 +187,13 @@ class Subject:
     peers: dict[str, Peer]
     converted: bool
     error: str | None = None  # what failed while preparing its cases
+    _tiny: Any = None
+
+    def tiny(self) -> Any:
+        """The tiny architecture with seeded random weights, for embedding differences."""
+        if self._tiny is None:
+            self._tiny = mf.models.load(self.name)
+        return self._tiny
 
     def ours(self, images: list[Image.Image], dtype: str | None = None,
              mode: str | None = None) -> dict[str, Any]:
@@ -261,6 +268,11 @@ class Pixels:
     theirs: tuple[float, float] | None = None  # torchvision vs PIL, in levels
     exact_equal: bool | None = None  # our float32 exact == PIL, bit for bit
     fast_vs_tv: tuple[float, float] | None = None  # our float32 fast vs torchvision, levels
+    # On the tiny model: max |embedding diff| fast vs exact (uint8), uint8 vs float32 (fast),
+    # and max |embedding| (the scale of both).
+    emb_fast_exact: float | None = None
+    emb_u8_f32: float | None = None
+    emb_scale: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -292,7 +304,24 @@ def compare_pixels(s: Subject, size: tuple[int, int]) -> Pixels:
                     out.fast_vs_tv = level_diff(ours_fast, got, steps)
                 else:
                     out.notes.append("float32 layout differs from transformers'")
+    if s.converted:
+        tiny = s.tiny()
+        exact_emb, fast_emb, f32_emb = (embed(tiny, tiny.processor(images=img, pixel_dtype=d,
+                                                                   resize_mode=m))
+                                        for d, m in (("uint8", EXACT), ("uint8", FAST),
+                                                     ("float32", FAST)))
+        out.emb_fast_exact = float((fast_emb - exact_emb).abs().max())
+        out.emb_u8_f32 = float((fast_emb - f32_emb).abs().max())
+        out.emb_scale = float(exact_emb.abs().max())
     return out
+
+
+def embed(model: Any, outputs: Mapping[str, Any]) -> torch.Tensor:
+    """The encoder's output for one request's items, batched and moved as an engine does."""
+    batches = mf.batch_items(mf.split_items(outputs, model.field_specs(outputs)))
+    transfer = mf.Transfer("cpu")
+    with torch.no_grad():
+        return torch.cat([model.encode(**dict(transfer.to_device(b))) for b in batches])
 
 
 # -- wire bytes and the end-to-end path -------------------------------------------------
@@ -409,6 +438,10 @@ def _median(case: Case, kind: str, per: int) -> float | None:
     return None if t is None else t.median / per
 
 
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
 def _levels(pair: tuple[float, float] | None) -> str:
     return "-" if pair is None else f"{pair[0]:.0f} / {pair[1]:.3f}"
 
@@ -447,15 +480,18 @@ def report_time(cases: list[Case], per: int, unit: str) -> list[Target]:
 
 
 def report_pixels(cases: list[Case]) -> list[Target]:
-    print("\npixel differences in levels (0-255), max / mean |diff|, one image per size")
+    print("\npixel differences in levels (0-255), max / mean |diff|, one image per size; max "
+          "|embedding diff| of the tiny model (seeded random weights) on the same image")
     print(f"{'model':<18}{'size':<11}{'mmferry fast-exact':>20}{'transformers tv-PIL':>21}"
-          f"{'f32 exact==PIL':>16}{'f32 fast-tv':>16}")
+          f"{'f32 exact==PIL':>16}{'f32 fast-tv':>14}{'emb fast-exact':>16}{'emb u8-f32':>12}"
+          f"{'max |emb|':>11}")
     targets: list[Target] = []
     for c in cases:
         p, s, label = c.pixels, c.subject, f"{c.size[0]}x{c.size[1]}"
         same = "-" if p.exact_equal is None else ("yes" if p.exact_equal else "NO")
         print(f"{s.name:<18}{label:<11}{_levels(p.ours):>20}{_levels(p.theirs):>21}"
-              f"{same:>16}{_levels(p.fast_vs_tv):>16}   {'; '.join(p.notes)}")
+              f"{same:>16}{_levels(p.fast_vs_tv):>14}{_sci(p.emb_fast_exact):>16}"
+              f"{_sci(p.emb_u8_f32):>12}{_sci(p.emb_scale):>11}   {'; '.join(p.notes)}")
         if not s.converted:
             continue
         text = (f"{s.name} {label} fast-vs-exact <= transformers' tv-vs-PIL: "
