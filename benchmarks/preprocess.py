@@ -241,12 +241,27 @@ def flat_pixels(outputs: Mapping[str, Any]) -> torch.Tensor:
     return torch.as_tensor(value).reshape(-1)
 
 
-def level_steps(peer: Any, probe: torch.Tensor) -> torch.Tensor:
+def layout(outputs: Mapping[str, Any]) -> Any:
+    """The pixel field's shape, or its items' shapes: two outputs compare element by element
+    only when their layouts are the same (flattened sizes can agree by chance)."""
+    value = outputs[PIXELS]
+    if isinstance(value, list | tuple):
+        return [tuple(torch.as_tensor(v).shape) for v in value]
+    return tuple(torch.as_tensor(value).shape)
+
+
+def peer_normalize(peer: Any) -> mf.Normalize | None:
+    """A transformers processor's normalisation, as a :class:`mf.Normalize`."""
+    if not hasattr(peer, "image_mean") or not hasattr(peer, "image_std"):
+        return None
+    return mf.Normalize(tuple(peer.image_mean), tuple(peer.image_std),
+                        getattr(peer, "rescale_factor", 1 / 255))
+
+
+def level_steps(norm: mf.Normalize, probe: torch.Tensor) -> torch.Tensor:
     """Per element of a normalised output, how much one level moves it (``scale / std`` of its
     channel), the channel found from ``probe``: the same processor's output for a constant
     image of levels :data:`PROBE`."""
-    norm = mf.Normalize(tuple(peer.image_mean), tuple(peer.image_std),
-                        getattr(peer, "rescale_factor", 1 / 255))
     a, b = norm.affine()
     expected = a * torch.tensor(PROBE, dtype=torch.float64) + b  # each channel's probe value
     channel = (probe.double()[:, None] - expected[None, :]).abs().argmin(1)
@@ -280,39 +295,47 @@ def compare_pixels(s: Subject, size: tuple[int, int]) -> Pixels:
     img = photos(size, 1)
     probe = [Image.new("RGB", size, PROBE)]
     out = Pixels()
+    norm = None
     if s.converted:
-        exact, fast = (flat_pixels(s.ours(img, "uint8", m)) for m in (EXACT, FAST))
+        exact_out = s.ours(img, "uint8", EXACT)
+        exact, fast = flat_pixels(exact_out), flat_pixels(s.ours(img, "uint8", FAST))
         if exact.dtype != torch.uint8 or fast.dtype != torch.uint8:
             out.notes.append(f"uint8 asked, got {exact.dtype} / {fast.dtype}")
         # Zero levels in the constant probe's output are padding (slices padded to one
         # length), not pixels.
         real = flat_pixels(s.ours(probe, "uint8", EXACT)) != 0
         out.ours = level_diff(exact[real], fast[real])
-    pil, tv = s.available(PIL), s.available(TV)
-    if pil is not None:
-        ref = flat_pixels(pil(img))
-        steps = level_steps(pil.processor, flat_pixels(pil(probe)))
-        if tv is not None:
-            got = flat_pixels(tv(img))
-            out.theirs = level_diff(got, ref, steps) if got.shape == ref.shape else None
-        if s.converted:
-            ours_exact = flat_pixels(s.ours(img, "float32", EXACT))
-            out.exact_equal = ours_exact.shape == ref.shape and torch.equal(ours_exact, ref)
-            if tv is not None:
-                ours_fast = flat_pixels(s.ours(img, "float32", FAST))
-                if ours_fast.shape == got.shape:
-                    out.fast_vs_tv = level_diff(ours_fast, got, steps)
-                else:
-                    out.notes.append("float32 layout differs from transformers'")
-    if s.converted:
+        norm = s.model.field_specs(exact_out)[PIXELS].normalize
         tiny = s.tiny()
-        exact_emb, fast_emb, f32_emb = (embed(tiny, tiny.processor(images=img, pixel_dtype=d,
-                                                                   resize_mode=m))
-                                        for d, m in (("uint8", EXACT), ("uint8", FAST),
-                                                     ("float32", FAST)))
+        exact_emb, fast_emb, f32_emb = (
+            embed(tiny, tiny.processor(images=img, pixel_dtype=d, resize_mode=m))
+            for d, m in (("uint8", EXACT), ("uint8", FAST), ("float32", FAST)))
         out.emb_fast_exact = float((fast_emb - exact_emb).abs().max())
         out.emb_u8_f32 = float((fast_emb - f32_emb).abs().max())
         out.emb_scale = float(exact_emb.abs().max())
+    pil, tv = s.available(PIL), s.available(TV)
+    got = {kind: peer(img) for kind, peer in ((PIL, pil), (TV, tv)) if peer is not None}
+    if not got:
+        return out
+    first = pil or tv
+    norm = peer_normalize(first.processor) or norm
+    if norm is None:
+        out.notes.append("no normalisation known to read the peers' output in levels")
+        return out
+    steps = level_steps(norm, flat_pixels(first(probe)))
+    if len(got) == 2 and layout(got[TV]) == layout(got[PIL]):
+        out.theirs = level_diff(flat_pixels(got[TV]), flat_pixels(got[PIL]), steps)
+    if not s.converted:
+        return out
+    ours = {PIL: s.ours(img, "float32", EXACT), TV: s.ours(img, "float32", FAST)}
+    for kind, theirs in got.items():
+        if layout(ours[kind]) != layout(theirs):
+            out.notes.append(f"float32 layout {layout(ours[kind])} is not {kind}'s "
+                             f"{layout(theirs)}: not compared")
+        elif kind == PIL:
+            out.exact_equal = torch.equal(flat_pixels(ours[kind]), flat_pixels(theirs))
+        else:
+            out.fast_vs_tv = level_diff(flat_pixels(ours[kind]), flat_pixels(theirs), steps)
     return out
 
 
@@ -472,10 +495,12 @@ def report_time(cases: list[Case], per: int, unit: str) -> list[Target]:
         if not s.converted:
             targets.append((f"{where}: not converted", None))
             continue
-        targets.append((f"{where} exact <= {TIME_TARGET}x PIL: {fmt_ratio(exact, pil)}",
+        names = {kind: p.label for kind, p in s.peers.items()}
+        targets.append((f"{where} exact <= {TIME_TARGET}x {names.get(PIL, 'PIL (none)')}: "
+                        f"{fmt_ratio(exact, pil)}",
                         None if pil is None else exact <= TIME_TARGET * pil))
-        targets.append((f"{where} fast <= {TIME_TARGET}x torchvision: {fmt_ratio(fast, tv)}",
-                        None if tv is None else fast <= TIME_TARGET * tv))
+        targets.append((f"{where} fast <= {TIME_TARGET}x {names.get(TV, 'torchvision (none)')}: "
+                        f"{fmt_ratio(fast, tv)}", None if tv is None else fast <= TIME_TARGET * tv))
     return targets
 
 

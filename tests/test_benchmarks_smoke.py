@@ -97,6 +97,6 @@ def test_preprocess_quick_reports_every_table() -> None:
     assert all(number(v) > 0 for v in e2e[1:6]), e2e
     assert "NOT CONVERTED" not in out and "ERROR" not in out
     targets = out[out.index("\ntargets\n"):]
-    assert "qwen2-vl 64x48 exact <= 0.5x PIL" in targets
+    assert "qwen2-vl 64x48 exact <= 0.5x Qwen2VLImageProcessorPil" in targets
     assert "uint8 pixel bytes <= 0.25x float32" in targets
     assert "foreign CPU:" in out
