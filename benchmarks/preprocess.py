@@ -4,6 +4,8 @@ against transformers' PIL and torchvision processors, per built-in image model a
     python benchmarks/preprocess.py                             # every image model, 3 sizes
     python benchmarks/preprocess.py --only qwen2-vl --sizes 1920x1080
     python benchmarks/preprocess.py --quick                     # smoke run
+    PYTHONPATH=src /work/venv-vllm/bin/python benchmarks/preprocess.py --only isaac
+                                                 # with vLLM importable: Isaac's peer
 
 Four tables, then the targets of issue 11:
 
@@ -15,12 +17,14 @@ Four tables, then the targets of issue 11:
   one thread and the machine is shared; ``--clock wall`` gives wall time. Targets: exact <=
   0.5x PIL, fast <= 0.5x torchvision.
 * pixels: max and mean |fast - exact| of mmferry's uint8 levels, next to transformers' own
-  torchvision-vs-PIL difference in the same units (their normalised outputs mapped back to
-  levels per channel); plus whether mmferry's float32 ``exact`` output equals the PIL
-  processor's bit for bit and how far float32 ``fast`` is from the torchvision one. Target:
-  fast-vs-exact no larger than transformers' torchvision-vs-PIL (max and mean).
+  torchvision-vs-PIL difference in the same units (their normalised outputs read back as
+  levels, channel by channel); whether mmferry's float32 ``exact`` output equals the PIL
+  processor's bit for bit and how far float32 ``fast`` is from the torchvision one; and the
+  max embedding difference of the tiny model (seeded random weights), fast vs exact and
+  uint8 vs float32. Target: fast-vs-exact no larger than transformers' torchvision-vs-PIL
+  (max and mean).
 * wire bytes per image: all frames of ``mf.wire.encode`` of the split items, float32 vs
-  uint8. Target: uint8 <= 0.25x float32.
+  uint8, and the pixel field's bytes alone. Target: uint8 pixels <= 0.25x float32.
 * end to end: one request of 64 images through process -> split -> wire encode / decode ->
   batch -> ``Transfer("cpu")``, float32 (exact and fast resize) vs uint8 (fast, the default).
   Target: uint8 <= 0.5x float32 at the same resize (the dtype alone); the ratio against
@@ -29,7 +33,8 @@ Four tables, then the targets of issue 11:
 A model whose processor does not take ``pixel_dtype`` / ``resize_mode`` is reported as not
 converted: its default call is timed against the peers, with no target verdict. A peer that
 does not import (no torchvision; Isaac has no transformers processor, only vLLM's
-``IsaacImageProcessor``, used when vLLM imports) is printed as unavailable.
+``IsaacImageProcessor``, used when vLLM imports) is printed as unavailable. A model whose
+processor fails is reported as an ERROR (exit status 1) and the others still run.
 """
 
 from __future__ import annotations
