@@ -257,15 +257,13 @@ def _processed(model: IsaacModel, images: list, **options) -> tuple[dict, dict]:
             model.processor(images=images, pixel_dtype="float32", **SMALL, **options))
 
 
-@pytest.mark.parametrize("mode", ["fast", "exact"])
-def test_uint8_embeddings_equal_the_float32_path(model: IsaacModel, mode: str) -> None:
+def test_uint8_embeddings_equal_the_float32_path(model: IsaacModel) -> None:
     # Grown, tall, shrunk, a repeated size, equal lengths: one batch of several sizes. The
     # folded first layer changes only float32 rounding: observed 8.6e-6 on outputs ~13
     # (the float32 path itself is 7e-6 from float64 there); a wrong fold (mean, scale,
     # channel order) moves them by 1e-2 or more.
     sources = [(20, 31), (333, 97), (900, 700), (120, 200), (64, 64), (120, 200), (64, 64)]
-    levels, floats = _processed(model, [_photo(h, w, i) for i, (h, w) in enumerate(sources)],
-                                resize_mode=mode)
+    levels, floats = _processed(model, [_photo(h, w, i) for i, (h, w) in enumerate(sources)])
     with torch.no_grad():
         a, b = model.encode(**levels), model.encode(**floats)
     assert a.shape == b.shape == (levels["image_grid_thw"].prod(-1).sum() // 4, 40)
@@ -391,6 +389,30 @@ def test_tokens_specs_and_check_item(model: IsaacModel) -> None:
     with pytest.raises(ContractError) as e:
         model.encode(pixel_values=d["pixel_values"])
     assert e.value.field == "image_grid_thw"
+
+
+def test_uint8_pixels_need_the_models_normalisation(model: IsaacModel) -> None:
+    levels, floats = _processed(model, [_photo(120, 200, 0)])
+    specs = model.field_specs(levels)
+    model.check_item(mf.split_items(levels, specs)["image"][0])
+    model.check_item(mf.split_items(floats, model.field_specs(floats))["image"][0])
+    assert model.field_specs(floats)["pixel_values"].normalize is None
+    n = len(levels["pixel_values"])
+    clip = mf.Normalize((0.48145466, 0.4578275, 0.40821073),
+                        (0.26862954, 0.26130258, 0.27577711))
+    for normalize in (clip, mf.Normalize((0.5,) * 3, (0.5,) * 3, scale=1 / 256), None):
+        wrong = mf.split_items(levels, {**specs, "pixel_values": mf.FieldSpec.flat_from_sizes(
+            "image", [n], normalize=normalize)})["image"][0]
+        with pytest.raises(ContractError) as e:
+            model.check_item(wrong)
+        assert e.value.field == "pixel_values"
+        runner = mf.EncoderRunner(model)
+        assert runner.encode([wrong]) == [None]
+        assert runner.last.errors[0].field == "pixel_values"
+    # A plain mapping has no spec, so its levels have no normalisation either.
+    with pytest.raises(ContractError) as e:
+        model.check_item(dict(mf.split_items(levels, specs)["image"][0]))
+    assert e.value.field == "pixel_values"
 
 
 # -- checkpoints -------------------------------------------------------------------------
