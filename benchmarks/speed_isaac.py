@@ -55,14 +55,15 @@ def transformers_main_steps(image: Image.Image, patch: int = 16) -> dict[str, to
 
 
 def cpu_times(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
-    """Median CPU seconds of each function, the functions interleaved run by run."""
+    """Median CPU seconds of each function, the functions interleaved run by run (in
+    alternating order, so none always runs right after the same one)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()  # warm up
-    for _ in range(runs):
-        for name, fn in fns.items():
+    for r in range(runs):
+        for name in list(fns) if r % 2 == 0 else reversed(list(fns)):
             start = time.process_time()
-            fn()
+            fns[name]()
             times[name].append(time.process_time() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
