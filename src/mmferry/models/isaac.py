@@ -612,7 +612,9 @@ class IsaacModel(nn.Module):
 
     def encode(self, **batch: Any) -> torch.Tensor:
         """One image batch (``pixel_values`` on the device, ``image_grid_thw`` on the host) to
-        ``[Σ h·w / r², hidden_size]``."""
+        ``[Σ h·w / r², hidden_size]``. uint8 pixels are levels of :attr:`normalize` (which
+        ``check_item`` has held each item's spec to) and meet the folded patch embedding;
+        floating point ones are already normalised."""
         unknown = set(batch) - {_PIXELS, _GRID}
         if unknown:
             raise ContractError("not an isaac field", field=sorted(unknown)[0])
