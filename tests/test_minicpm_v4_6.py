@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,11 @@ TEXT = dict(model_type="qwen3_5_text", hidden_size=40, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=20,
             vocab_size=64, layer_types=["full_attention"])
 SMALL = 112  # scale_resolution for most cases: slices of at most 8×8 patches
+# Pixels compared with transformers' PIL processor: its resize, its float32 values.
+FLOAT_EXACT = {"pixel_dtype": "float32", "resize_mode": "exact"}
+# Embeddings compared with it: its resize, uint8 levels (the default) through the folded
+# patch embedding, so the default path is the one checked against transformers.
+EXACT = {"resize_mode": "exact"}
 
 # float32 on both sides; the differences are summation order only (a matmul patch embedding
 # against a Conv2d, slices of one size batched into one attention call, windows batched).
@@ -122,7 +128,8 @@ def test_processor_matches_transformers_after_vllm_relayout(mode: str, resolutio
         frames.append(_rgb(37, 211, 9))  # extreme aspect ratio
     else:  # unsliced, 1×2, 3×2
         frames = [_rgb(300, 420, 1), _rgb(500, 700, 2), _rgb(1200, 900, 3)]
-    out = model.processor(images=frames, downsample_mode=mode, scale_resolution=resolution)
+    out = model.processor(images=frames, downsample_mode=mode, scale_resolution=resolution,
+                          **FLOAT_EXACT)
     assert set(out) == {"pixel_values", "tgt_sizes", "use_vit_merger"}
     grids = set()
     for i, f in enumerate(frames):
@@ -144,7 +151,7 @@ def test_processor_options_match_transformers_kwargs() -> None:
     f = _rgb(700, 600, 3)
     for kwargs in ({"max_slice_nums": 2}, {"max_slice_nums": 1}, {"scale_resolution": 224}):
         hf = _hf_processor()([Image.fromarray(f)], return_tensors="pt", **kwargs)
-        out = model.processor(images=f, **kwargs)
+        out = model.processor(images=f, **kwargs, **FLOAT_EXACT)
         pixels, sizes = _vllm_layout(hf)
         assert torch.equal(out["tgt_sizes"][0], sizes) and torch.equal(out["pixel_values"][0],
                                                                         pixels), kwargs
@@ -153,7 +160,8 @@ def test_processor_options_match_transformers_kwargs() -> None:
                 Image.fromarray(np.dstack([_rgb(80, 120, 2), _rgb(80, 120, 3)[..., :1]]),
                                 mode="RGBA")):
         hf = _hf_processor()([img], return_tensors="pt")
-        assert torch.equal(model.processor(images=img)["pixel_values"][0], _vllm_layout(hf)[0])
+        assert torch.equal(model.processor(images=img, **FLOAT_EXACT)["pixel_values"][0],
+                           _vllm_layout(hf)[0])
 
 
 def test_video_is_processed_frame_by_frame_as_vllm_does() -> None:
@@ -162,7 +170,7 @@ def test_video_is_processed_frame_by_frame_as_vllm_does() -> None:
     model = models.load("minicpm-v-4.6")
     clip = np.stack([_rgb(150, 260, 10 + t) for t in range(3)])
     still = np.stack([_rgb(50, 70, 20 + t) for t in range(2)])
-    out = model.processor(videos=[clip, still], scale_resolution=SMALL)
+    out = model.processor(videos=[clip, still], scale_resolution=SMALL, **FLOAT_EXACT)
     assert set(out) == {"video_pixel_values", "video_tgt_sizes", "video_image_sizes",
                         "video_use_vit_merger"}
     for v, frames in enumerate((clip, still)):
@@ -192,7 +200,7 @@ def test_preprocessor_config_sets_the_processor(tmp_path: Path) -> None:
     hf = _hf_processor(max_slice_nums=2, scale_resolution=224, downsample_mode="4x",
                        image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.3, 0.4])(
         [Image.fromarray(f)], return_tensors="pt")
-    out = model.processor(images=[f], videos=[f[None]])
+    out = model.processor(images=[f], videos=[f[None]], **FLOAT_EXACT)
     assert torch.equal(out["pixel_values"][0], _vllm_layout(hf)[0])
     assert out["use_vit_merger"].tolist() == [[False]]
     assert out["video_tgt_sizes"][0].shape[0] == 1  # the video limit: no slicing
@@ -237,7 +245,8 @@ def test_encoder_matches_transformers_per_slicing_branch(pair, case: str, mode: 
     frames = [_rgb(h, w, 0)]
     kwargs = {"max_slice_nums": 4} if case == "sliced-at-max_slice_nums" else {}
     want = _reference(ref, frames, mode, scale_resolution=SMALL, **kwargs)
-    out = ours.processor(images=frames, scale_resolution=SMALL, downsample_mode=mode, **kwargs)
+    out = ours.processor(images=frames, scale_resolution=SMALL, downsample_mode=mode, **kwargs,
+                         **EXACT)
     assert len(out["tgt_sizes"][0]) == 1 + rows * cols
     got = _encode(ours, out)
     assert got.shape == want.shape
@@ -250,15 +259,15 @@ def test_encoder_matches_transformers_on_a_batch_of_larger_slices(pair) -> None:
     ref, ours = pair
     frames = [_rgb(h, w, i) for i, (h, w) in enumerate([(250, 350), (150, 200)])]
     want = _reference(ref, frames, "16x", scale_resolution=224)
-    got = _encode(ours, ours.processor(images=frames, scale_resolution=224))
+    got = _encode(ours, ours.processor(images=frames, scale_resolution=224, **EXACT))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 def test_mixed_modes_in_one_batch_match_separate_reference_calls(pair) -> None:
     ref, ours = pair
     a, b = _rgb(230, 220, 1), _rgb(90, 500, 2)
-    out16 = ours.processor(images=[a], scale_resolution=SMALL)
-    out4 = ours.processor(images=[b], scale_resolution=SMALL, downsample_mode="4x")
+    out16 = ours.processor(images=[a], scale_resolution=SMALL, **EXACT)
+    out4 = ours.processor(images=[b], scale_resolution=SMALL, downsample_mode="4x", **EXACT)
     batch = mf.batch_items(mf.split_items(out16, ours.field_specs(out16)).in_order()
                            + mf.split_items(out4, ours.field_specs(out4)).in_order())
     assert len(batch) == 1
@@ -279,7 +288,7 @@ def test_encoder_matches_transformers_on_videos(pair, mode: str) -> None:
              np.stack([_rgb(50, 70, 20 + t) for t in range(2)])]
     want = torch.cat([_reference(ref, list(c), mode, scale_resolution=SMALL) for c in clips])
     got = _encode(ours, ours.processor(videos=clips, scale_resolution=SMALL,
-                                       downsample_mode=mode))
+                                       downsample_mode=mode, **EXACT))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
@@ -318,7 +327,7 @@ def test_save_pretrained_checkpoint_loads_by_name_and_matches(saved: Path, pair)
     assert loaded.processor_config.max_slice_nums == 4
     assert loaded.processor_config.scale_resolution == SMALL
     frame = _rgb(700, 600, 5)
-    got = _encode(loaded, loaded.processor(images=[frame]))
+    got = _encode(loaded, loaded.processor(images=[frame], **EXACT))
     want = _reference(ref, [frame], "16x", max_slice_nums=4, scale_resolution=SMALL)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
@@ -406,10 +415,16 @@ def batches():
     return model, {b.modality: b for b in mf.batch_items(mf.split_items(d, model.field_specs(d)))}
 
 
+def _encode_fn() -> Callable[..., torch.Tensor]:
+    """A fresh model's encode: each audit folds the normalisation into the patch embedding in
+    its own simulated run (a fold kept from another audit is not on its simulated device)."""
+    return models.load("minicpm-v-4.6").encode
+
+
 def test_contract_audits_clean_on_a_simulated_device(batches) -> None:
-    model, by_modality = batches
+    _, by_modality = batches
     for b in by_modality.values():
-        report = mf.audit.audit(model.encode, b.data, b.specs)
+        report = mf.audit.audit(_encode_fn(), b.data, b.specs)
         assert report.ok and report.findings == [], report
 
 
@@ -421,26 +436,26 @@ def test_contract_audits_clean_on_a_simulated_device(batches) -> None:
 ])
 def test_host_field_on_the_device_is_a_host_sync_at_its_read(batches, modality: str,
                                                                field: str, line: str) -> None:
-    model, by_modality = batches
+    _, by_modality = batches
     b = by_modality[modality]
     wrong = {**b.specs, field: mf.FieldSpec.batched(modality)}
-    report = mf.audit.audit(model.encode, b.data, wrong)
+    report = mf.audit.audit(_encode_fn(), b.data, wrong)
     assert not report.ok
     assert {f.kind for f in report.findings} == {"host_sync"}
     assert all(f.fields == (field,) for f in report.findings)
     assert {f.location for f in report.findings} == {_line_of(line)}
     if field == "tgt_sizes":
-        assert mf.audit.recommend(model.encode, b.data, wrong)[field] == mf.Placement.HOST
+        assert mf.audit.recommend(_encode_fn(), b.data, wrong)[field] == mf.Placement.HOST
 
 
 @pytest.mark.parametrize(("modality", "field"), [("image", "pixel_values"),
                                                  ("video", "video_pixel_values")])
 def test_pixels_on_the_host_are_a_device_mismatch_at_the_patch_embedding(
         batches, modality: str, field: str) -> None:
-    model, by_modality = batches
+    _, by_modality = batches
     b = by_modality[modality]
     wrong = {**b.specs, field: mf.FieldSpec.batched(modality, placement="host")}
-    report = mf.audit.audit(model.encode, b.data, wrong)
+    report = mf.audit.audit(_encode_fn(), b.data, wrong)
     assert {f.kind for f in report.findings} == {"device_mismatch"}
     assert {f.location for f in report.findings} == {
         _line_of("x = F.linear(flat.index_select(0, gather_d)")}
@@ -449,10 +464,10 @@ def test_pixels_on_the_host_are_a_device_mismatch_at_the_patch_embedding(
 def test_video_frame_sizes_are_not_read_by_the_encoder(batches) -> None:
     # video_image_sizes only sizes the prompt (vLLM's placeholder text); any placement of it
     # audits clean because the encoder never touches it.
-    model, by_modality = batches
+    _, by_modality = batches
     b = by_modality["video"]
     wrong = {**b.specs, "video_image_sizes": mf.FieldSpec.batched("video")}
-    assert mf.audit.audit(model.encode, b.data, wrong).ok
+    assert mf.audit.audit(_encode_fn(), b.data, wrong).ok
 
 
 
