@@ -23,6 +23,7 @@ from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import (
 import mmferry as mf
 import mmferry.models as models
 from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.media.samples import photo_like
 from mmferry.models import minicpm_v4_6
 from mmferry.models.minicpm_v4_6 import MiniCPMV46, ProcessorConfig, VisionConfig
 
@@ -498,3 +499,157 @@ def test_bfloat16_stays_close_to_float32() -> None:
     assert got.dtype == torch.bfloat16
     # bfloat16 keeps 8 mantissa bits; a few layers of rounding stay within a few percent.
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+
+
+# -- uint8 pixels -------------------------------------------------------------------------
+
+
+def _real(pixels: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
+    """Each slice's real columns (its h·w patches), without the padding to the longest."""
+    return [pixels[i, ..., :int(h * w) * 14] for i, (h, w) in enumerate(sizes.tolist())]
+
+
+@pytest.mark.parametrize("resize_mode", ["fast", "exact"])
+def test_uint8_levels_normalise_to_the_float32_output(resize_mode: str) -> None:
+    model = models.load("minicpm-v-4.6")
+    frames = [_rgb(60, 90, 0), _rgb(230, 220, 1), _rgb(90, 500, 2)]
+    clip = np.stack([_rgb(150, 260, 10 + t) for t in range(2)])
+    kwargs = {"scale_resolution": SMALL, "resize_mode": resize_mode}
+    levels = model.processor(images=frames, videos=[clip], **kwargs)
+    floats = model.processor(images=frames, videos=[clip], pixel_dtype="float32", **kwargs)
+    specs, float_specs = model.field_specs(levels), model.field_specs(floats)
+    a, b = model.normalize.affine()
+    for name, sizes_name in (("pixel_values", "tgt_sizes"), ("video_pixel_values",
+                                                           "video_tgt_sizes")):
+        assert specs[name].normalize == model.normalize and float_specs[name].normalize is None
+        assert torch.equal(levels[sizes_name][0], floats[sizes_name][0])
+        for u8, f32, sizes in zip(levels[name], floats[name], levels[sizes_name], strict=True):
+            assert u8.dtype == torch.uint8 and f32.dtype == torch.float32
+            assert u8.shape == f32.shape and u8.shape[:3] == (len(sizes), 3, 14)
+            normalised = (u8.double() * a.view(3, 1, 1) + b.view(3, 1, 1)).float()
+            for got, want in zip(_real(normalised, sizes), _real(f32, sizes), strict=True):
+                assert (got - want).abs().max() <= 1e-6
+            # Padding is zero levels (and zero in float32): the encoder never reads it.
+            real = sum(x.numel() for x in _real(u8, sizes))
+            assert int(u8.count_nonzero()) <= real and int(f32.count_nonzero()) <= real
+            assert u8.sum() == sum(x.sum() for x in _real(u8, sizes))
+    assert model.normalize == mf.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1 / 255)
+
+
+def test_uint8_embeddings_equal_the_float32_path(pair) -> None:
+    _, ours = pair
+    frames = [_rgb(h, w, i) for i, ((h, w), _) in enumerate(IMAGES.values())]
+    clips = [np.stack([_rgb(150, 260, 10 + t) for t in range(2)]),
+             np.stack([_rgb(50, 70, 20 + t) for t in range(3)])]
+    for mode in ("16x", "4x"):
+        for media in ({"images": frames}, {"videos": clips}):
+            kwargs = {**media, "scale_resolution": SMALL, "downsample_mode": mode}
+            levels = ours.processor(**kwargs)
+            floats = ours.processor(**kwargs, pixel_dtype="float32")
+            got, want = _encode(ours, levels), _encode(ours, floats)
+            assert got.shape == want.shape and got.shape[0] > 10
+            assert (got - want).abs().max() <= 1e-5, (mode, list(media))
+
+
+def test_uint8_padding_is_not_read(pair) -> None:
+    # The folded bias makes level 0 stand for -1, not 0: were padding read, it would count.
+    _, ours = pair
+    # A 1×2 image pads its source (4×12 patches to 8×8), a 1×5 one its slices (8×8 to 4×20).
+    out = ours.processor(images=[_rgb(120, 230, 1), _rgb(90, 500, 2)], scale_resolution=SMALL)
+    want = _encode(ours, out)
+    noisy = []
+    for p, sizes in zip(out["pixel_values"], out["tgt_sizes"], strict=True):
+        q = torch.full_like(p, 255)
+        for i, real in enumerate(_real(p, sizes)):
+            q[i, ..., :real.shape[-1]] = real
+        assert (q != p).sum() >= 14 * 14 * 3 * 16  # 16 patches or more
+        noisy.append(q)
+    torch.testing.assert_close(_encode(ours, {**out, "pixel_values": noisy}), want,
+                               atol=0, rtol=0)
+
+
+def test_fast_resize_matches_transformers_torchvision_processor() -> None:
+    pytest.importorskip("torchvision")
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import (
+        MiniCPMV4_6ImageProcessor,
+    )
+
+    model = models.load("minicpm-v-4.6")
+    tv, pil = MiniCPMV4_6ImageProcessor(), _hf_processor()
+    ours_diff, theirs_diff = [], []
+    for i, (h, w) in enumerate([(300, 420), (768, 1024), (1200, 900), (100, 700)]):
+        img = Image.fromarray(photo_like(h, w, i))
+        fast = model.processor(images=img, pixel_dtype="float32", resize_mode="fast")
+        exact = model.processor(images=img, pixel_dtype="float32", resize_mode="exact")
+        sizes = fast["tgt_sizes"][0]
+        fused = {k: torch.cat(_real(o["pixel_values"][0], sizes), -1)
+                 for k, o in (("fast", fast), ("exact", exact))}
+        hf_fast = tv([img], return_tensors="pt")
+        hf_pil = pil([img], return_tensors="pt")
+        assert torch.equal(hf_fast["target_sizes"].long(), sizes)
+        # Same pixels; the float arithmetic differs (transformers folds the rescale into the
+        # mean and std) by a rounding of float32.
+        assert (fused["fast"] - hf_fast["pixel_values"][0]).abs().max() <= 1e-6
+        assert torch.equal(fused["exact"], hf_pil["pixel_values"][0])
+
+        def levels(x: torch.Tensor) -> torch.Tensor:
+            return x.double() * 127.5 + 127.5
+
+        ours_diff.append((levels(fused["fast"]) - levels(fused["exact"])).abs())
+        theirs_diff.append((levels(hf_fast["pixel_values"][0])
+                            - levels(hf_pil["pixel_values"][0])).abs())
+    ours_all, theirs_all = torch.cat([d.flatten() for d in ours_diff]), \
+        torch.cat([d.flatten() for d in theirs_diff])
+    # The two resamplers differ by rounding (a level or two), never by content.
+    assert 0 < ours_all.max() <= theirs_all.max() + 1e-6 and ours_all.max() <= 3
+    assert ours_all.mean() <= theirs_all.mean() + 1e-6
+
+
+def test_uint8_items_need_the_models_normalisation() -> None:
+    model = models.load("minicpm-v-4.6")
+    out = model.processor(images=[_rgb(230, 220, 1)], videos=[np.stack([_rgb(50, 70, 2)] * 2)],
+                          scale_resolution=SMALL)
+    specs = model.field_specs(out)
+    for name, modality in (("pixel_values", "image"), ("video_pixel_values", "video")):
+        good = mf.split_items(out, specs)[modality][0]
+        model.check_item(good)
+        for wrong in (None, mf.Normalize((0.48145466, 0.4578275, 0.40821073),
+                                         (0.26862954, 0.26130258, 0.27577711))):
+            bad_specs = {**specs, name: mf.FieldSpec.batched(modality, normalize=wrong)}
+            bad = mf.split_items(out, bad_specs)[modality][0]
+            with pytest.raises(ContractError) as e:
+                model.check_item(bad)
+            assert e.value.field == name
+        with pytest.raises(ContractError) as e:  # a plain mapping says nothing of its levels
+            model.check_item(dict(good))
+        assert e.value.field == name
+        with pytest.raises(ContractError) as e:  # neither levels nor values
+            model.check_item({**good, name: good[name].to(torch.int16)})
+        assert e.value.field == name
+    # A float32 item needs no normalisation.
+    floats = model.processor(images=[_rgb(230, 220, 1)], pixel_dtype="float32")
+    model.check_item(mf.split_items(floats, model.field_specs(floats))["image"][0])
+
+
+def test_runner_refuses_uint8_items_of_another_normalisation() -> None:
+    model = models.load("minicpm-v-4.6")
+    out = model.processor(images=[_rgb(230, 220, 1)], scale_resolution=SMALL)
+    specs = {**model.field_specs(out),
+             "pixel_values": mf.FieldSpec.batched("image", normalize=mf.Normalize((0.5,) * 3,
+                                                                                  (0.25,) * 3))}
+    runner = mf.EncoderRunner(model, device="cpu")
+    good = mf.split_items(out, model.field_specs(out))["image"][0]
+    bad = mf.split_items(out, specs)["image"][0]
+    got = runner.encode([bad, good])
+    assert got[0] is None and got[1] is not None and runner.last.status[0] == "error"
+    assert isinstance(runner.last.errors[0], ContractError)
+    assert runner.last.errors[0].field == "pixel_values"
+
+
+@pytest.mark.parametrize(("option", "value"), [("pixel_dtype", "float16"),
+                                               ("resize_mode", "nearest")])
+def test_pixel_options_are_checked_before_media_is_read(option: str, value: str) -> None:
+    model = models.load("minicpm-v-4.6")
+    with pytest.raises(ArgumentError) as e:
+        model.processor(images=[b"not an image"], **{option: value})
+    assert e.value.argument == option
