@@ -1,18 +1,23 @@
 """MiniCPM-V 4.6: its image/video processor, field contract and vision encoder.
 
-The processor matches transformers' ``MiniCPMV4_6ImageProcessorPil`` (source image plus a grid
-of slices chosen by ``max_slice_nums`` and ``scale_resolution``, Pillow's bicubic filter, the
-NaViT ``[C, P, h·w·P]`` patch layout) and lays each image out the way vLLM 0.33 re-pads it:
-``(n_slices, C, P, L_max)``. A video is processed frame by frame, as vLLM does. The encoder
-is the SigLIP-NaViT vision tower with the window-attention merger after layer
-``insert_layer_id`` and the final 2×2 merger to the language model's width
-(``MiniCPMV4_6Model.get_image_features``), with transformers' parameter names.
+The processor matches transformers' ``MiniCPMV4_6ImageProcessor`` (torchvision,
+``resize_mode="fast"``) or ``MiniCPMV4_6ImageProcessorPil`` (``"exact"``): a source image
+plus a grid of slices chosen by ``max_slice_nums`` and ``scale_resolution``, the bicubic
+filter, the NaViT ``[C, P, h·w·P]`` patch layout; it lays each image out the way vLLM 0.33
+re-pads it: ``(n_slices, C, P, L_max)``. By default the pixels are uint8 levels whose spec
+carries the normalisation; the encoder folds it into the patch embedding. A video is
+processed frame by frame, as vLLM does. The encoder is the SigLIP-NaViT vision tower with the
+window-attention merger after layer ``insert_layer_id`` and the final 2×2 merger to the
+language model's width (``MiniCPMV4_6Model.get_image_features``), with transformers'
+parameter names.
 
 Placement: the slice sizes (``tgt_sizes``), the merger flags and the video frame sizes stay on
 the host. Everything derived from them (which patch rows are real, position ids, how slices
 group into equal-length attention batches, the output order) is host math; the derived
-indices go up in one upload per call. Slices of equal size attend in one batched call, so
-no padding mask exists; after the window merger the new sizes are the host's ``size // k``.
+indices go up in one upload per call. Only the real patch rows are gathered (the zero
+padding is never read, which matters for uint8 levels: with the folded bias level 0 is not
+a zero input), slices of equal size attend in one batched call, so no padding mask exists;
+after the window merger the new sizes are the host's ``size // k``.
 """
 
 from __future__ import annotations
