@@ -304,10 +304,14 @@ def _image_parts(img: Image.Image, max_slice_nums: int, scale_resolution: int, p
     width, height = img.size
     grid = slice_grid(height, width, max_slice_nums, scale_resolution) if slice_mode else None
     sh, sw = best_resize(height, width, scale_resolution, patch, mode, grid is None)
-    parts = [(resize(img, sh, sw, mode=resize_mode), (1, 1))]
+    # Pillow resizes its own image; torch an array, copied out of the image once for both.
+    source: Image.Image | np.ndarray = img
+    if resize_mode != "exact" and grid is not None:
+        source = np.array(img)
+    parts = [(resize(source, sh, sw, mode=resize_mode), (1, 1))]
     if grid is not None:
         rh, rw = refine_size(height, width, grid, scale_resolution, patch, mode)
-        parts.append((resize(img, rh, rw, mode=resize_mode), grid))
+        parts.append((resize(source, rh, rw, mode=resize_mode), grid))
     return parts
 
 
