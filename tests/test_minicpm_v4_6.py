@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -416,16 +415,10 @@ def batches():
     return model, {b.modality: b for b in mf.batch_items(mf.split_items(d, model.field_specs(d)))}
 
 
-def _encode_fn() -> Callable[..., torch.Tensor]:
-    """A fresh model's encode: each audit folds the normalisation into the patch embedding in
-    its own simulated run (a fold kept from another audit is not on its simulated device)."""
-    return models.load("minicpm-v-4.6").encode
-
-
 def test_contract_audits_clean_on_a_simulated_device(batches) -> None:
-    _, by_modality = batches
+    model, by_modality = batches
     for b in by_modality.values():
-        report = mf.audit.audit(_encode_fn(), b.data, b.specs)
+        report = mf.audit.audit(model.encode, b.data, b.specs)
         assert report.ok and report.findings == [], report
 
 
@@ -437,26 +430,26 @@ def test_contract_audits_clean_on_a_simulated_device(batches) -> None:
 ])
 def test_host_field_on_the_device_is_a_host_sync_at_its_read(batches, modality: str,
                                                                field: str, line: str) -> None:
-    _, by_modality = batches
+    model, by_modality = batches
     b = by_modality[modality]
     wrong = {**b.specs, field: mf.FieldSpec.batched(modality)}
-    report = mf.audit.audit(_encode_fn(), b.data, wrong)
+    report = mf.audit.audit(model.encode, b.data, wrong)
     assert not report.ok
     assert {f.kind for f in report.findings} == {"host_sync"}
     assert all(f.fields == (field,) for f in report.findings)
     assert {f.location for f in report.findings} == {_line_of(line)}
     if field == "tgt_sizes":
-        assert mf.audit.recommend(_encode_fn(), b.data, wrong)[field] == mf.Placement.HOST
+        assert mf.audit.recommend(model.encode, b.data, wrong)[field] == mf.Placement.HOST
 
 
 @pytest.mark.parametrize(("modality", "field"), [("image", "pixel_values"),
                                                  ("video", "video_pixel_values")])
 def test_pixels_on_the_host_are_a_device_mismatch_at_the_patch_embedding(
         batches, modality: str, field: str) -> None:
-    _, by_modality = batches
+    model, by_modality = batches
     b = by_modality[modality]
     wrong = {**b.specs, field: mf.FieldSpec.batched(modality, placement="host")}
-    report = mf.audit.audit(_encode_fn(), b.data, wrong)
+    report = mf.audit.audit(model.encode, b.data, wrong)
     assert {f.kind for f in report.findings} == {"device_mismatch"}
     assert {f.location for f in report.findings} == {
         _line_of("x = F.linear(flat.index_select(0, gather_d)")}
@@ -465,10 +458,10 @@ def test_pixels_on_the_host_are_a_device_mismatch_at_the_patch_embedding(
 def test_video_frame_sizes_are_not_read_by_the_encoder(batches) -> None:
     # video_image_sizes only sizes the prompt (vLLM's placeholder text); any placement of it
     # audits clean because the encoder never touches it.
-    _, by_modality = batches
+    model, by_modality = batches
     b = by_modality["video"]
     wrong = {**b.specs, "video_image_sizes": mf.FieldSpec.batched("video")}
-    assert mf.audit.audit(_encode_fn(), b.data, wrong).ok
+    assert mf.audit.audit(model.encode, b.data, wrong).ok
 
 
 

@@ -445,6 +445,8 @@ class Embeddings(nn.Module):
         super().__init__()
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size,
                                          stride=cfg.patch_size)
+        # The patch embedding with the processor's normalisation folded in, for uint8 levels.
+        self.patch_fold = PixelFold()
         side = cfg.image_size // cfg.patch_size
         self.position_embedding = nn.Embedding(side * side, cfg.hidden_size)
 
@@ -627,9 +629,6 @@ class MiniCPMV46(nn.Module):
         self.normalize = Normalize(pc.image_mean if pc.do_normalize else (0.0,) * channels,
                                    pc.image_std if pc.do_normalize else (1.0,) * channels,
                                    pc.rescale_factor if pc.do_rescale else 1.0)
-        # One fold per modality, as the modality's batches come in turn: a fold made in one
-        # audit's simulated run is never served in another's.
-        self._fold = {modality: PixelFold() for modality in self.modalities}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None,
@@ -871,8 +870,7 @@ class MiniCPMV46(nn.Module):
         Pixels are on the model's device; slice sizes and flags are read on the host (video
         frame sizes are not needed); ``image_embeds`` / ``video_embeds`` pass through.
         """
-        modality = self._modality_of(batch.keys())
-        names = _FIELDS[modality]
+        names = _FIELDS[self._modality_of(batch.keys())]
         sizes_name, pixels_name, embeds_name = names["sizes"], names["pixels"], names["embeds"]
         if sizes_name not in batch:
             raise ContractError("missing from the batch", field=sizes_name)
@@ -905,14 +903,14 @@ class MiniCPMV46(nn.Module):
             if any(h < 1 or w < 1 or h % dh or w % dw for h, w in s):
                 raise ContractError(f"item {i}: slice grids {s} are not positive multiples "
                                     f"of ({dh}, {dw})", field=sizes_name)
-        fold = self._fold[modality] if _is_uint8(pixels_name, pixels) else None
+        levels = _is_uint8(pixels_name, pixels)
         weight = self.vision_tower.embeddings.patch_embedding.weight
         if tokens == 0:
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        return self._forward(pixels, sizes, flags, fold)
+        return self._forward(pixels, sizes, flags, levels)
 
     def _forward(self, pixels: list[torch.Tensor], sizes: list[list[tuple[int, int]]],
-                 flags: list[bool], fold: PixelFold | None) -> torch.Tensor:
+                 flags: list[bool], levels: bool) -> torch.Tensor:
         cfg = self.config
         patch = cfg.patch_size
         tower = self.vision_tower
@@ -962,8 +960,8 @@ class MiniCPMV46(nn.Module):
         # bias with the normalisation folded in, floating values through the checkpoint's.
         channels = cfg.num_channels
         bias = tower.embeddings.patch_embedding.bias
-        if fold is not None:
-            weight, bias = fold(weight, bias, self.normalize, 1)
+        if levels:
+            weight, bias = tower.embeddings.patch_fold(weight, bias, self.normalize, 1)
         rows = [p.reshape(p.shape[0], channels, patch, p.shape[3] // patch, patch)
                 .permute(0, 3, 1, 2, 4).reshape(-1, channels * patch * patch) for p in pixels]
         flat = rows[0] if len(rows) == 1 else torch.cat(rows)
