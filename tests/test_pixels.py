@@ -94,6 +94,7 @@ def test_resize_modes(source: tuple[int, int], target: tuple[int, int]) -> None:
     chw = torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()[None]
     expected = F.interpolate(chw, size=target, mode="bicubic", antialias=True)[0].permute(1, 2, 0)
     np.testing.assert_array_equal(fast, expected.numpy())
+    np.testing.assert_array_equal(resize(image, *target, mode="fast", contiguous=False), fast)
     assert fast.shape == exact.shape == (*target, 3) and fast.dtype == np.uint8
     # The two filters differ by rounding, not by content.
     assert np.abs(fast.astype(int) - exact.astype(int)).max() <= 3

@@ -308,10 +308,11 @@ def _image_parts(img: Image.Image, max_slice_nums: int, scale_resolution: int, p
     source: Image.Image | np.ndarray = img
     if resize_mode != "exact" and grid is not None:
         source = np.array(img)
-    parts = [(resize(source, sh, sw, mode=resize_mode), (1, 1))]
+    # Strided views are fine: the layout copies them into place in one pass.
+    parts = [(resize(source, sh, sw, mode=resize_mode, contiguous=False), (1, 1))]
     if grid is not None:
         rh, rw = refine_size(height, width, grid, scale_resolution, patch, mode)
-        parts.append((resize(source, rh, rw, mode=resize_mode), grid))
+        parts.append((resize(source, rh, rw, mode=resize_mode, contiguous=False), grid))
     return parts
 
 
