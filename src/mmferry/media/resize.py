@@ -52,12 +52,15 @@ def check_pixel_options(pixel_dtype: Any, resize_mode: Any) -> None:
 
 
 def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: str,
-           resample: str = "bicubic") -> np.ndarray:
+           resample: str = "bicubic", contiguous: bool = True) -> np.ndarray:
     """``image`` (a PIL image or uint8 ``[H, W, C]`` array) resized to ``height×width`` as
     uint8 ``[height, width, C]``; the input as an array when it already has that size.
 
     ``mode`` is ``"exact"`` (Pillow's filter, transformers' PIL processors) or ``"fast"``
     (torch's antialiased uint8 filter, transformers' torchvision processors).
+    ``contiguous=False`` lets ``"fast"`` return a strided view of the kernel's channels-first
+    output instead of interleaving it (a copy that costs about half the resize), for a
+    caller whose patchify copies the pixels anyway.
     """
     if resample not in RESAMPLE_FILTERS:
         raise ArgumentError(f"resample must be one of {sorted(RESAMPLE_FILTERS)}, got {resample!r}",
@@ -82,4 +85,5 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
     # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
     batch = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
     out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)
-    return out[0].permute(1, 2, 0).contiguous().numpy()
+    hwc = out[0].permute(1, 2, 0)  # the kernel writes channels-first, whatever it is given
+    return (hwc.contiguous() if contiguous else hwc).numpy()
