@@ -335,8 +335,10 @@ def compare_pixels(s: Subject, size: tuple[int, int]) -> Pixels:
     ours = {PIL: s.ours(img, "float32", EXACT), TV: s.ours(img, "float32", FAST)}
     for kind, theirs in got.items():
         if layout(ours[kind]) != layout(theirs):
-            out.notes.append(f"float32 layout {layout(ours[kind])} is not {kind}'s "
-                             f"{layout(theirs)}: not compared")
+            note = (f"float32 layout {layout(ours[kind])} is not transformers' "
+                    f"{layout(theirs)}: not compared")
+            if note not in out.notes:
+                out.notes.append(note)
         elif kind == PIL:
             out.exact_equal = torch.equal(flat_pixels(ours[kind]), flat_pixels(theirs))
         else:
