@@ -316,6 +316,8 @@ class Encoder:
             per_call.append((c, items, outcomes))
             good += [it for it, o in zip(items, outcomes, strict=True) if o is None]
             tokens += n
+        # Which cross-request batch answered: for clients tuning --max-batch-tokens.
+        batch = {"calls": len(calls), "tokens": _call_tokens(calls)}
         done = await asyncio.wrap_future(self.owner.submit(good, tokens)) if good else []
         at = 0
         for c, _, outcomes in per_call:
@@ -327,7 +329,7 @@ class Encoder:
                     at += 1
                 m.items.labels(name, outcomes[i].status).inc()
             meta, buffers = answer(outcomes, self.compat, frames=calls[c]["answer_frames"])
-            meta.update(ok=True, replica=self.replica)
+            meta.update(ok=True, replica=self.replica, batch=batch)
             m.embedding_bytes.labels(name, "out").inc(sum(b.nbytes for b in buffers))
             answers[c] = _arrays([pack_meta(meta), *buffers])
         elapsed = time.perf_counter() - start
@@ -498,7 +500,7 @@ def create_ingress_app(options: Mapping[str, Any], render: Any, encoder: Any) ->
         meta = _raise_if_error(unpack_meta(out[0]))
         headers = {"X-Mmferry-Compat": meta["compat"]["id"]}
         if not frames_answer:
-            return JSONResponse({k: meta[k] for k in ("compat", "items", "replica")},
+            return JSONResponse({k: meta[k] for k in ("compat", "items", "replica", "batch")},
                                 headers=headers)
         return Response(_body(out), media_type=MEDIA_TYPE, headers=headers)
 
