@@ -67,7 +67,7 @@ BAD = {
     "max_batch_tokens": ["--max-batch-tokens", "0"],
     "batch_wait_ms": ["--batch-wait-ms", "-1"],
     "cache_max_tokens": ["--cache-max-tokens", "0"],
-    "min_render_replicas": ["--min-render-replicas", "0"],
+    "min_render_replicas": ["--min-render-replicas", "-1"],
     "max_render_replicas": ["--max-render-replicas", "0"],
     "encoder_replicas": ["--encoder-replicas", "0"],
     "render_cpus": ["--render-cpus", "-1"],

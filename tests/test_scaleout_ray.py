@@ -294,13 +294,15 @@ def cluster() -> Iterator[str]:
 
     port = _free_port()
     # Logical GPUs: the encoder replicas are scheduled as on GPU nodes and run on the CPU.
+    # No idle workers started ahead, no render replica until a render request (none comes):
+    # every process started here costs seconds of interpreter and torch start-up.
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False, _system_config={"enable_worker_prestart": False})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"encoder_replicas": 2, "encoder_gpus": 1, "encoder_cpus": 0,
-                             "render_cpus": 0, "ingress_cpus": 0, "max_render_replicas": 1,
-                             "batch_wait_ms": 1, "port": port}),
+                             "render_cpus": 0, "ingress_cpus": 0, "min_render_replicas": 0,
+                             "max_render_replicas": 1, "batch_wait_ms": 1, "port": port}),
                   name="mmferry", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -318,13 +320,12 @@ def test_a_repeated_item_lands_on_the_replica_that_cached_it(cluster: str) -> No
                       (a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
                       if "#Encoder#" in name)
     assert len(replicas) == 2
+    model = mf.models.load("qwen2-vl", materialize=False)
+    bodies = []
+    for seed in range(12):  # rendered here, as a render replica would
+        outputs = model.processor(images=[png(100 + seed)])
+        bodies.append(frames_body(mf.split_items(outputs, model.field_specs(outputs)).in_order()))
     with httpx.Client(base_url=cluster, trust_env=False, timeout=60) as http:
-        bodies = []
-        for seed in range(12):
-            r = http.post("/v1/render", files=[("image", ("a", png(100 + seed)))],
-                          headers={"Accept": MEDIA_TYPE})
-            assert r.status_code == 200, r.text
-            bodies.append(r.content)
         first = []
         for body in bodies:
             r = http.post("/v1/encode", content=body,

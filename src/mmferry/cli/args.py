@@ -298,7 +298,8 @@ CHECKS: dict[str, Check] = {
     "max_batch_tokens": _positive("--max-batch-tokens"),
     "batch_wait_ms": Check("--batch-wait-ms", lambda v: _non_negative(v, "--batch-wait-ms")),
     "cache_max_tokens": _positive("--cache-max-tokens"),
-    "min_render_replicas": _positive("--min-render-replicas"),
+    "min_render_replicas": Check("--min-render-replicas",
+                                 lambda v: int(_non_negative(v, "--min-render-replicas"))),
     "max_render_replicas": _positive("--max-render-replicas"),
     "encoder_replicas": _positive("--encoder-replicas"),
     "render_cpus": Check("--render-cpus", lambda v: _non_negative(v, "--render-cpus")),
@@ -494,7 +495,8 @@ RAY: list[Decorator] = [
                  help="Ray cluster to join (e.g. HEAD_IP:6379, or 'auto'). Default: RAY_ADDRESS, "
                       "else a new one-machine cluster."),
     click.option("--min-render-replicas", type=int, default=1, show_default=True,
-                 help="Render replicas kept running (the deployment autoscales above it)."),
+                 help="Render replicas kept running (the deployment autoscales above it; 0: "
+                      "none until a render request comes)."),
     click.option("--max-render-replicas", type=int, default=4, show_default=True,
                  help="Most render replicas."),
     click.option("--render-cpus", type=float, default=1.0, show_default=True,
