@@ -7,8 +7,8 @@ sizes), else a fresh one. The same request sequence (rendered here once, sent as
 ``mmferry.scaleout.ray`` in turn, each with cold encoder caches:
 
 1. one encoder replica (the reference: one cache sees every item);
-2. two encoder replicas behind :class:`~mmferry.scaleout.ray.ItemAffinityRouter`;
-3. two encoder replicas behind Ray Serve's default power-of-two-choices router.
+2. ``--replicas`` encoder replicas (2) behind :class:`~mmferry.scaleout.ray.ItemAffinityRouter`;
+3. as many behind Ray Serve's default power-of-two-choices router.
 
 It prints per deployment the encoder-cache hit rate (items answered ``hit`` over items) and
 the items the encoders had to encode (misses). Target: affinity within 5 points of the
@@ -21,7 +21,8 @@ The encoder replicas ask for a logical GPU each (as on GPU nodes) and run on the
 Nothing leaves loopback. On a shared machine the latency figures are only as good as the
 load average printed with them.
 
-    python benchmarks/ray_affinity.py [--requests 96] [--items 1] [--clients 4] [--quick]
+    python benchmarks/ray_affinity.py [--requests 96] [--items 1] [--replicas 2] [--clients 4]
+                                      [--quick]
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=12, help="popular images")
     p.add_argument("--repeat-share", type=float, default=0.5)
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=2, help="encoder replicas to compare with one")
     p.add_argument("--quick", action="store_true", help="24 requests: a smoke run")
     args = p.parse_args()
     if args.quick:
@@ -162,16 +164,17 @@ def main() -> None:
           f"of items from {args.pool} popular images (sizes {SIZES}), rendered in "
           f"{time.perf_counter() - t0:.1f} s")
     port = free_port()
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=2, num_gpus=max(2, args.replicas), include_dashboard=False, log_to_driver=False,
              configure_logging=False, _system_config={"enable_worker_prestart": False})
     tmp = Path(tempfile.mkdtemp(prefix="mmferry-ray-bench-"))
     results: dict[str, tuple[float, int, int]] = {}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
-        for name, replicas, router in (("1 replica", 1, "affinity"),
-                                       ("2 replicas, affinity", 2, "affinity"),
-                                       ("2 replicas, Ray default (pow2)", 2, "pow2")):
+        n = args.replicas
+        configs = (("1 replica", 1, "affinity"), (f"{n} replicas, affinity", n, "affinity"),
+                   (f"{n} replicas, Ray default (pow2)", n, "pow2"))
+        for name, replicas, router in configs:
             deploy(port, replicas, router, batch_wait_ms=5.0)
             st, used = statuses(url, bodies, args.clients)
             hits = st.count("hit")
@@ -181,9 +184,7 @@ def main() -> None:
         print(f"{'deployment':<32} {'hit rate':>9} {'items encoded':>14} {'replicas used':>14}")
         for name, (rate, misses, used) in results.items():
             print(f"{name:<32} {rate:>8.1%} {misses:>14} {used:>14}")
-        single = results["1 replica"][0]
-        affinity = results["2 replicas, affinity"][0]
-        default = results["2 replicas, Ray default (pow2)"][0]
+        single, affinity, default = (results[name][0] for name, _, _ in configs)
         print(f"affinity - single: {100 * (affinity - single):+.1f} points; default - single: "
               f"{100 * (default - single):+.1f} points; target: affinity within 5 points: "
               f"{verdict(abs(affinity - single) <= 0.05)}")
