@@ -152,6 +152,9 @@ def test_server_help_needs_no_gpu(path: tuple[str, ...]) -> None:
     (["launch", "ray", "--port", "0"], "--port"),
     (["launch", "ray", "--min-render-replicas", "3", "--max-render-replicas", "2"],
      "--min-render-replicas"),
+    (["encode", "--samples", "1", "--model", "qwen2-audio", "--pixel-dtype", "float32"],
+     "--pixel-dtype"),
+    (["launch", "render", "--model", "firered-lid", "--resize-mode", "exact"], "--resize-mode"),
 ])
 def test_rules_are_usage_errors(nothing_starts: None, tmp_path: Path, args: list[str],
                                 flag: str) -> None:

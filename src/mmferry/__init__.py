@@ -19,7 +19,7 @@ from mmferry.encoder import (
     scatter_output_slices,
 )
 from mmferry.errors import ArgumentError, ContractError, MediaError, MmferryError, WireError
-from mmferry.fields import FieldSpec, Placement
+from mmferry.fields import FieldSpec, Normalize, Placement
 from mmferry.hashing import hash_media
 from mmferry.items import Item, Items, split_items
 from mmferry.transfer import DeviceBatch, Mirrored, Transfer, host_and_device
@@ -39,6 +39,7 @@ __all__ = [
     "MediaError",
     "Mirrored",
     "MmferryError",
+    "Normalize",
     "Placement",
     "Transfer",
     "WireError",

@@ -9,6 +9,7 @@ A :class:`FieldSpec` is plain, immutable data: comparable, hashable, and seriali
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -20,6 +21,7 @@ from mmferry.errors import ContractError
 
 __all__ = [
     "FieldSpec",
+    "Normalize",
     "Placement",
     "Reduction",
     "check_batch_values",
@@ -53,7 +55,9 @@ class Placement(str, Enum):
 
 
 KINDS = ("batched", "flat", "shared")
-_SPEC_KEYS = frozenset({"kind", "modality", "placement", "dim", "slices", "sizes", "batch_size"})
+_SPEC_KEYS = frozenset({"kind", "modality", "placement", "dim", "slices", "sizes", "batch_size",
+                        "normalize"})
+MAX_CHANNELS = 16
 
 # One dimension of an item's slice: (start, stop, step), None meaning "open" as in `slice`.
 Bounds = tuple[int | None, int | None, int | None]
@@ -83,6 +87,63 @@ def _bounds(s: slice) -> Bounds:
 
 
 @dataclass(frozen=True, slots=True)
+class Normalize:
+    """What the uint8 levels of a pixel field stand for: level ``x`` of channel ``c`` is the
+    model input ``(x * scale - mean[c]) / std[c]``.
+
+    A field's spec carries it (``FieldSpec.normalize``) so the normalisation is part of the
+    contract: it is hashed with the item, travels on the wire, keeps items of different
+    normalisations out of one batch, and lets an encoder refuse pixels meant for another
+    normalisation. Encoders fold it into their first layer instead of running it as a pass.
+    Which input column is which channel is the model's layout, not the spec's.
+    """
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scale: float = 1 / 255
+
+    def __post_init__(self) -> None:
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+                raise ContractError(f"normalize {name} must be a sequence of floats, got {values!r}")
+            object.__setattr__(self, name, tuple(_finite(f"normalize {name}", v) for v in values))
+        if not 1 <= len(self.mean) <= MAX_CHANNELS or len(self.std) != len(self.mean):
+            raise ContractError(f"normalize mean and std need the same 1 to {MAX_CHANNELS} channels, "
+                                f"got {len(self.mean)} and {len(self.std)}")
+        if any(s == 0 for s in self.std):
+            raise ContractError(f"normalize std must not hold 0, got {list(self.std)}")
+        object.__setattr__(self, "scale", _finite("normalize scale", self.scale))
+        if self.scale <= 0:
+            raise ContractError(f"normalize scale must be positive, got {self.scale!r}")
+
+    @property
+    def channels(self) -> int:
+        return len(self.mean)
+
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel ``(a, b)`` in float64 with ``input = a * level + b``."""
+        std = torch.tensor(self.std, dtype=torch.float64)
+        return self.scale / std, -torch.tensor(self.mean, dtype=torch.float64) / std
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mean": list(self.mean), "std": list(self.std), "scale": self.scale}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Normalize:
+        if not isinstance(d, Mapping) or set(map(str, d)) - {"mean", "std", "scale"} or not (
+                "mean" in d and "std" in d):
+            raise ContractError(f"normalize is a mapping of mean, std and scale, got {d!r}")
+        return cls(d["mean"], d["std"], d.get("scale", 1 / 255))
+
+
+def _finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ContractError(f"{name} must hold finite numbers, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
 class FieldSpec:
     """How one processor output field splits per item, reduces per batch, and where it lives.
 
@@ -91,7 +152,8 @@ class FieldSpec:
     split each item carries :meth:`for_item`, which drops them, so an item's spec depends only
     on the field's kind and never on the item's position in its request. ``dim`` counts from
     the front (vLLM also accepts a negative ``dim``, but only its merge honours it: its split
-    would cut along dim 0).
+    would cut along dim 0). ``normalize`` marks a uint8 pixel field and says what its levels
+    stand for (:class:`Normalize`); every constructor takes it as a keyword.
     """
 
     kind: str
@@ -101,6 +163,7 @@ class FieldSpec:
     slices: tuple[tuple[Bounds, ...], ...] | None = None
     sizes: tuple[int, ...] | None = None
     batch_size: int | None = None
+    normalize: Normalize | None = None
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,11 +199,13 @@ class FieldSpec:
             or self.batch_size < 0
         ):
             raise ContractError(f"batch_size must be a non-negative int, got {self.batch_size!r}")
+        if self.normalize is not None and not isinstance(self.normalize, Normalize):
+            raise ContractError(f"normalize must be a Normalize, got {type(self.normalize).__name__}")
         object.__setattr__(
             self,
             "_hash",
             hash((self.kind, self.modality, self.placement.value, self.dim, self.slices,
-                  self.sizes, self.batch_size)),
+                  self.sizes, self.batch_size, self.normalize)),
         )
 
     def __hash__(self) -> int:
@@ -150,10 +215,11 @@ class FieldSpec:
 
     @classmethod
     def batched(
-        cls, modality: str, *, placement: Placement | str = "device", keep_on_cpu: bool | None = None
+        cls, modality: str, *, placement: Placement | str = "device", keep_on_cpu: bool | None = None,
+        normalize: Normalize | None = None,
     ) -> FieldSpec:
         """Item i is ``data[i]``; a batch stacks items (a list when their shapes differ)."""
-        return cls("batched", modality, _placement(placement, keep_on_cpu))
+        return cls("batched", modality, _placement(placement, keep_on_cpu), normalize=normalize)
 
     @classmethod
     def flat(
@@ -164,6 +230,7 @@ class FieldSpec:
         dim: int = 0,
         placement: Placement | str = "device",
         keep_on_cpu: bool | None = None,
+        normalize: Normalize | None = None,
     ) -> FieldSpec:
         """Item i is ``data[slices[i]]``; a batch concatenates items along ``dim``.
 
@@ -188,7 +255,8 @@ class FieldSpec:
                 items.append(tuple(_bounds(p) for p in s))
             else:
                 raise ContractError(f"each item's slice must be a slice or a tuple of slices, got {s!r}")
-        return cls("flat", modality, _placement(placement, keep_on_cpu), dim, slices=tuple(items))
+        return cls("flat", modality, _placement(placement, keep_on_cpu), dim, slices=tuple(items),
+                   normalize=normalize)
 
     @classmethod
     def flat_from_sizes(
@@ -199,6 +267,7 @@ class FieldSpec:
         dim: int = 0,
         placement: Placement | str = "device",
         keep_on_cpu: bool | None = None,
+        normalize: Normalize | None = None,
     ) -> FieldSpec:
         """Item i is the i-th run of ``sizes[i]`` entries along ``dim``; the sizes must sum to it."""
         if isinstance(sizes, torch.Tensor):
@@ -216,7 +285,8 @@ class FieldSpec:
                 raise ContractError(f"sizes must be a 1-D sequence of ints, got {sizes!r}")
         if any(v < 0 for v in values):
             raise ContractError(f"sizes must be non-negative, got {list(values)}")
-        return cls("flat", modality, _placement(placement, keep_on_cpu), dim, sizes=values)
+        return cls("flat", modality, _placement(placement, keep_on_cpu), dim, sizes=values,
+                   normalize=normalize)
 
     @classmethod
     def shared(
@@ -226,9 +296,11 @@ class FieldSpec:
         *,
         placement: Placement | str = "device",
         keep_on_cpu: bool | None = None,
+        normalize: Normalize | None = None,
     ) -> FieldSpec:
         """Every one of ``batch_size`` items gets the same data; batches never mix values."""
-        return cls("shared", modality, _placement(placement, keep_on_cpu), batch_size=batch_size)
+        return cls("shared", modality, _placement(placement, keep_on_cpu), batch_size=batch_size,
+                   normalize=normalize)
 
     # -- derived ---------------------------------------------------------------------
 
@@ -255,7 +327,8 @@ class FieldSpec:
         return tuple(out)
 
     def for_item(self) -> FieldSpec:
-        """The spec as one split item carries it: kind, modality, placement and dim only."""
+        """The spec as one split item carries it: kind, modality, placement, dim and
+        normalisation only."""
         if self.slices is None and self.sizes is None and self.batch_size is None:
             return self
         return replace(self, slices=None, sizes=None, batch_size=None)
@@ -272,6 +345,8 @@ class FieldSpec:
             d["sizes"] = list(self.sizes)
         if self.batch_size is not None:
             d["batch_size"] = self.batch_size
+        if self.normalize is not None:
+            d["normalize"] = self.normalize.to_dict()
         return d
 
     @classmethod
@@ -308,6 +383,7 @@ class FieldSpec:
             slices=slices,
             sizes=sizes,
             batch_size=d.get("batch_size"),
+            normalize=None if d.get("normalize") is None else Normalize.from_dict(d["normalize"]),
         )
 
 

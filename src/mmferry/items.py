@@ -44,6 +44,8 @@ class Item(Mapping[str, Any]):
                     f"spec modality {spec.modality!r} differs from the item's {modality!r}",
                     field=name,
                 )
+            if spec.normalize is not None:
+                _check_levels(name, data[name])
         self.modality = modality
         self._data = dict(data)
         # Items split together share one read-only specs mapping, so batching compares
@@ -93,6 +95,15 @@ class Item(Mapping[str, Any]):
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _check_levels(name: str, value: Any) -> None:
+    """A field with a :class:`~mmferry.fields.Normalize` holds uint8 levels, nothing else."""
+    values = value if isinstance(value, list | tuple) else [value]
+    for v in values:
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.uint8:
+            raise ContractError(f"a field with normalize holds uint8 tensors, got {_describe(v)}",
+                                field=name)
 
 
 def _describe(value: Any) -> str:

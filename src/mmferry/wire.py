@@ -47,7 +47,7 @@ import msgspec
 import torch
 
 from mmferry.errors import ContractError, WireError
-from mmferry.fields import FieldSpec
+from mmferry.fields import MAX_CHANNELS, FieldSpec
 from mmferry.items import Item, Items
 
 __all__ = ["PACK_BELOW", "decode", "encode"]
@@ -106,6 +106,7 @@ class _Spec(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_
     slices: list[list[tuple[Bound, Bound, Bound]]] | None = None
     sizes: list[int] | None = None
     batch_size: int | None = None
+    normalize: dict[str, float | list[float]] | None = None
 
 
 class _Layout(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -178,6 +179,8 @@ class _SpecIn(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknow
                       _most(MAX_ITEMS)] | None = None
     sizes: Annotated[list[int], _most(MAX_ITEMS)] | None = None
     batch_size: int | None = None
+    normalize: Annotated[dict[Name, float | Annotated[list[float], _most(MAX_CHANNELS)]],
+                         msgspec.Meta(max_length=3)] | None = None
 
 
 class _LayoutIn(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

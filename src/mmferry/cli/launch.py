@@ -8,7 +8,18 @@ from typing import Any
 
 import click
 
-from mmferry.cli.args import BATCHING, MEDIA, MODEL, NETWORK, POOL, RAY, options, validated
+from mmferry.cli.args import (
+    BATCHING,
+    MEDIA,
+    MODEL,
+    NETWORK,
+    PIXELS,
+    POOL,
+    RAY,
+    options,
+    pixel_options,
+    validated,
+)
 
 __all__ = ["launch", "media_limits", "ray_command"]
 
@@ -33,12 +44,13 @@ def media_limits(ns: dict[str, Any]) -> Any:
 
 
 @launch.command("render")
-@options(MODEL, NETWORK(8100), POOL, MEDIA)
+@options(MODEL, NETWORK(8100), POOL, MEDIA, PIXELS)
 @validated
 def render(**ns: Any) -> None:
     """Serve POST /v1/render on the CPU: media in (JSON or multipart), per-item hashes and
     token counts out (JSON), or the items themselves as mmferry frames
     (Accept: application/vnd.mmferry.frames). Loads the model's processor, never its weights.
+    --pixel-dtype / --resize-mode set the default of a request's processor_kwargs.
     Also GET /health (200 after the workers' warm-up render), /v1/models, /metrics."""
     from mmferry import models
     from mmferry.server.http import serve
@@ -53,12 +65,13 @@ def render(**ns: Any) -> None:
                        weights=None if weights is None else str(weights), workers=workers,
                        max_inflight=ns["max_inflight"] or 4 * workers,
                        max_request_bytes=ns["max_request_bytes"], limits=media_limits(ns),
-                       api_keys=ns["api_keys"])
+                       api_keys=ns["api_keys"], processor_defaults=pixel_options(ns))
     serve(create_app(cfg), ns["host"], ns["port"], name="mmferry render")
 
 
 @launch.command("ray")
-@options(MODEL, NETWORK(8000, max_request_bytes="512MiB", any_port=False), BATCHING, MEDIA, RAY)
+@options(MODEL, NETWORK(8000, max_request_bytes="512MiB", any_port=False), BATCHING, MEDIA, PIXELS,
+         RAY)
 @click.option("--dtype", default="float32", show_default=True, help="Encoder weights dtype.")
 @click.option("--accept-media", is_flag=True,
               help="POST /v1/encode also takes the JSON / multipart media of /v1/render "
@@ -69,7 +82,8 @@ def ray_command(**ns: Any) -> None:
     (autoscaled), encoder replicas on GPUs (or CPUs), each encode request routed to the
     encoder replica that holds its largest item. Routes: POST /v1/render, /v1/encode,
     /v1/embeddings:lookup; GET /v1/embeddings/{hash}, /health, /v1/models, /metrics (a
-    pointer: replicas' metrics go through Ray's metrics export). Runs until interrupted."""
+    pointer: replicas' metrics go through Ray's metrics export). --pixel-dtype /
+    --resize-mode set the default of a request's processor_kwargs. Runs until interrupted."""
     import time
 
     import ray

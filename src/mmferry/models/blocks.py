@@ -1,7 +1,7 @@
 """Building blocks several models share: activations, 2-D rotary helpers, attention within
-frames, the two-layer MLP, the pre-norm rotary transformer block built from them, and how
-error messages describe a value. Not a model: nothing
-here is registered."""
+frames, the two-layer MLP, the pre-norm rotary transformer block built from them, the pixel
+normalisation folded into a first layer, and how error messages describe a value. Not a
+model: nothing here is registered."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmferry.errors import ContractError
+from mmferry.fields import Normalize
 from mmferry.transfer import upload
 
 __all__ = [
     "ACTIVATIONS",
     "Mlp",
+    "PixelFold",
     "RotaryBlock",
+    "check_normalize",
     "describe",
     "frame_attention",
     "frame_positions",
@@ -152,3 +156,63 @@ class RotaryBlock(nn.Module):
         x = x + self.attn(self.norm1(x), cos, sin, runs)
         return x + self.mlp(self.norm2(x))
 
+
+
+# -- uint8 pixels ------------------------------------------------------------------------
+
+
+class PixelFold:
+    """A first layer's weight and bias with a :class:`~mmferry.fields.Normalize` folded in,
+    so the layer takes uint8 pixel levels (cast to its dtype) with no normalising pass:
+    ``W·((x·scale − mean) / std) + b == (W·a)·x + (b + W·c)`` per channel.
+
+    Folded once in float64 and kept until the weight changes (a checkpoint load, ``.to()``,
+    an in-place edit: each changes its storage or version), so it costs nothing per call.
+    """
+
+    __slots__ = ("_key", "_value")
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None, normalize: Normalize,
+                 channel_dim: int, sum_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight`` ``[out, ...]`` whose dimension ``channel_dim`` is the input channel (a
+        conv weight ``[out, C, ...]`` has it at 1; view a linear weight so one dimension is);
+        returns the folded weight and a bias ``[out]``. ``sum_dims`` are weight dimensions the
+        input repeats along (an image standing for the frames of a temporal patch): they are
+        summed away, so the input is sent once."""
+        key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype, weight.device,
+               None if bias is None else (bias.data_ptr(), bias._version), normalize, channel_dim,
+               sum_dims)
+        if key != self._key or self._value is None:
+            if weight.shape[channel_dim] != normalize.channels:
+                raise ContractError(f"the first layer has {weight.shape[channel_dim]} input "
+                                    f"channels, the normalisation {normalize.channels}")
+            with torch.no_grad():
+                a, c = (upload(v, weight.device) for v in normalize.affine())
+                w64 = weight.double()
+                if sum_dims:
+                    w64 = w64.sum(dim=sum_dims)
+                    channel_dim -= sum(d < channel_dim for d in sum_dims)
+                shape = [1] * w64.ndim
+                shape[channel_dim] = -1
+                folded = w64 * a.view(shape)
+                shift = (w64 * c.view(shape)).flatten(1).sum(1)
+                if bias is not None:
+                    shift = shift + bias.double()
+                self._value = (folded.to(weight.dtype), shift.to(weight.dtype))
+            self._key = key
+        return self._value
+
+
+def check_normalize(name: str, spec_normalize: Normalize | None, expected: Normalize) -> None:
+    """uint8 pixels are only read with the normalisation they were made for.
+
+    Raises:
+        ContractError: naming ``name``, when the item's spec has no or another normalisation.
+    """
+    if spec_normalize != expected:
+        raise ContractError(f"uint8 pixels need the spec's normalize to be the model's {expected}, "
+                            f"got {spec_normalize}", field=name)

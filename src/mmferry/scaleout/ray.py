@@ -387,6 +387,7 @@ def create_ingress_app(options: Mapping[str, Any], render: Any, encoder: Any) ->
     same ``.method.remote(...)`` calls). ``options``: validated ``mmferry launch ray``
     options."""
     from mmferry import models
+    from mmferry.cli.args import pixel_options
     from mmferry.cli.launch import media_limits
     from mmferry.server.encode import wants_frames_answer
     from mmferry.server.media import resolve
@@ -401,6 +402,7 @@ def create_ingress_app(options: Mapping[str, Any], render: Any, encoder: Any) ->
     max_request_bytes = options["max_request_bytes"]
     max_batch_tokens = options["max_batch_tokens"]
     accept_media = bool(options.get("accept_media"))
+    processor_defaults = pixel_options(options)  # a request's processor_kwargs override them
     render_metrics = mirror_metrics(RenderMetrics.create(model_name))
     encode_metrics = mirror_metrics(EncodeMetrics.create(model_name))
     state: dict[str, Any] = {"http": None}
@@ -439,7 +441,7 @@ def create_ingress_app(options: Mapping[str, Any], render: Any, encoder: Any) ->
             raise
         for modality, data in media:
             render_metrics.fetch_bytes.labels(model_name, modality).inc(len(data))
-        out = await render.render.remote(media, kwargs, frames)
+        out = await render.render.remote(media, {**processor_defaults, **kwargs}, frames)
         return _raise_if_error(unpack_meta(out[0]))["result"], list(out[1:])
 
     @app.post("/v1/render")

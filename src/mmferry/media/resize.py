@@ -1,0 +1,85 @@
+"""Resizing decoded pixels for a processor, in one of two modes, and the pixel options every
+image processor takes.
+
+``exact`` gives the pixels of transformers' PIL processors (Pillow's resampling filters).
+``fast`` gives the pixels of its torchvision processors, which vLLM uses by default: torch's
+antialiased uint8 kernels (the ones ``torchvision.transforms.v2.functional.resize`` calls on
+a uint8 image on the CPU), run on the ``H×W×C`` array in place of a channels-first copy.
+Both return uint8 ``[H, W, C]``; a processor keeps them as uint8 levels
+(``pixel_dtype="uint8"``, the default) or normalises them to float32 as transformers does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from mmferry.errors import ArgumentError
+
+__all__ = [
+    "DEFAULT_PIXEL_DTYPE",
+    "DEFAULT_RESIZE_MODE",
+    "PIXEL_DTYPES",
+    "RESAMPLE_FILTERS",
+    "RESIZE_MODES",
+    "check_pixel_options",
+    "resize",
+]
+
+RESIZE_MODES = ("fast", "exact")
+PIXEL_DTYPES = ("uint8", "float32")
+# vLLM's default processors are transformers' torchvision ones, whose pixels "fast" gives.
+DEFAULT_RESIZE_MODE = "fast"
+DEFAULT_PIXEL_DTYPE = "uint8"
+RESAMPLE_FILTERS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+
+
+def check_pixel_options(pixel_dtype: Any, resize_mode: Any) -> None:
+    """``pixel_dtype`` one of :data:`PIXEL_DTYPES`, ``resize_mode`` one of :data:`RESIZE_MODES`.
+
+    Raises:
+        ArgumentError: naming the option and the values it takes.
+    """
+    for name, value, allowed in (("pixel_dtype", pixel_dtype, PIXEL_DTYPES),
+                                 ("resize_mode", resize_mode, RESIZE_MODES)):
+        if not isinstance(value, str) or value not in allowed:
+            raise ArgumentError(f"{name} must be one of {list(allowed)}, got {value!r}",
+                                argument=name)
+
+
+def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: str,
+           resample: str = "bicubic") -> np.ndarray:
+    """``image`` (a PIL image or uint8 ``[H, W, C]`` array) resized to ``height×width`` as
+    uint8 ``[height, width, C]``; the input as an array when it already has that size.
+
+    ``mode`` is ``"exact"`` (Pillow's filter, transformers' PIL processors) or ``"fast"``
+    (torch's antialiased uint8 filter, transformers' torchvision processors).
+    """
+    if resample not in RESAMPLE_FILTERS:
+        raise ArgumentError(f"resample must be one of {sorted(RESAMPLE_FILTERS)}, got {resample!r}",
+                            argument="resample")
+    if mode == "exact":
+        if isinstance(image, np.ndarray):
+            image = Image.fromarray(image)
+        if image.size != (width, height):
+            image = image.resize((width, height), RESAMPLE_FILTERS[resample])
+        return np.asarray(image)
+    if mode != "fast":
+        raise ArgumentError(f"resize_mode must be one of {list(RESIZE_MODES)}, got {mode!r}",
+                            argument="resize_mode")
+    # np.array: a PIL image is copied out once either way, and torch wants a writable array.
+    pixels = np.asarray(image) if isinstance(image, np.ndarray) else np.array(image)
+    if pixels.shape[:2] == (height, width):
+        return pixels
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    if not pixels.flags.writeable:
+        pixels = pixels.copy()
+    # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
+    batch = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
+    out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)
+    return out[0].permute(1, 2, 0).contiguous().numpy()
