@@ -84,6 +84,8 @@ def ray_command(**ns: Any) -> None:
     /v1/embeddings:lookup; GET /v1/embeddings/{hash}, /health, /v1/models, /metrics (a
     pointer: replicas' metrics go through Ray's metrics export). --pixel-dtype /
     --resize-mode set the default of a request's processor_kwargs. Runs until interrupted."""
+    import signal
+    import sys
     import time
 
     import ray
@@ -92,6 +94,8 @@ def ray_command(**ns: Any) -> None:
     from mmferry.scaleout.ray import application
 
     ray.init(address=ns["ray_address"], include_dashboard=False, log_to_driver=False)
+    # SIGTERM (a service manager, `kill`) stops it as Ctrl-C does: through the shutdown below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         serve.start(http_options={"host": ns["host"], "port": ns["port"]})
         serve.run(application(ns), name="mmferry", route_prefix="/", blocking=False)
