@@ -197,7 +197,8 @@ class ItemAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
-        self._outstanding = {k: v for k, v in self._outstanding.items() if k in live}
+        outstanding = getattr(self, "_outstanding", {})  # the base may call this first
+        self._outstanding = {k: v for k, v in outstanding.items() if k in live}
 
 
 # ---- deployments ----------------------------------------------------------------------------
