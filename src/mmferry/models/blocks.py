@@ -191,7 +191,8 @@ class PixelFold:
                 raise ContractError(f"the first layer has {weight.shape[channel_dim]} input "
                                     f"channels, the normalisation {normalize.channels}")
             with torch.no_grad():
-                a, c = (v.to(weight.device) for v in normalize.affine())
+                # Two tiny host tensors, once per weight: uploaded, not an implicit copy.
+                a, c = (upload(v, weight.device) for v in normalize.affine())
                 w64 = weight.double()
                 if sum_dims:
                     w64 = w64.sum(dim=sum_dims)
