@@ -21,6 +21,7 @@ from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe im
 import mmferry as mf
 import mmferry.models as models
 from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.media import samples
 from mmferry.models import ernie4_5_vl
 from mmferry.models.ernie4_5_vl import Ernie45VL
 
@@ -172,6 +173,87 @@ def test_video_processor_matches_the_transformers_video_path(shapes, bounds) -> 
     assert out["video_grid_thw"].tolist() == [g for _, g in want]
     assert all(t % 2 == 0 and t <= 180 for t, _, _ in out["video_grid_thw"].tolist())
     assert torch.equal(out["pixel_values_videos"], torch.cat([p for p, _ in want]))
+
+
+def _normalised(levels: torch.Tensor, normalize: mf.Normalize) -> torch.Tensor:
+    """uint8 rows ``[n, C·P·P]`` (channel-major columns) to the values they stand for."""
+    a, b = normalize.affine()
+    x = levels.view(levels.shape[0], len(a), -1).double() * a[:, None] + b[:, None]
+    return x.view(levels.shape).float()
+
+
+PHOTOS = [(448, 448), (300, 200), (97, 131), (64, 300)]
+
+
+@pytest.mark.parametrize("resize_mode", ["fast", "exact"])
+def test_uint8_levels_stand_for_the_float32_values(resize_mode: str) -> None:
+    model = models.load("ernie4.5-vl")
+    images = [samples.photo_like(h, w, seed=i) for i, (h, w) in enumerate(PHOTOS)]
+    clips = [samples.video_like(3, 70, 100, seed=5), samples.video_like(2, 56, 84, seed=6)]
+    bounds = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 200)
+    levels = model.processor(images=images, videos=clips, **bounds, resize_mode=resize_mode)
+    floats = model.processor(images=images, videos=clips, **bounds, resize_mode=resize_mode,
+                             pixel_dtype="float32")
+    specs = model.field_specs(levels)
+    for values, grid in (("pixel_values", "image_grid_thw"),
+                         ("pixel_values_videos", "video_grid_thw")):
+        assert levels[values].dtype == torch.uint8 and floats[values].dtype == torch.float32
+        assert levels[values].shape == floats[values].shape
+        assert torch.equal(levels[grid], floats[grid])
+        assert specs[values].normalize == model.normalize
+        # The same levels, normalised here in float64 rather than by a float32 table.
+        got = _normalised(levels[values], specs[values].normalize)
+        assert (got - floats[values]).abs().max() <= 1e-6
+    # The odd clip's padding frame repeats its last frame's rows.
+    t, gh, gw = levels["video_grid_thw"][0].tolist()
+    frame = gh * gw
+    assert t == 4 and torch.equal(levels["pixel_values_videos"][3 * frame:4 * frame],
+                                  levels["pixel_values_videos"][2 * frame:3 * frame])
+
+
+def _levels_diff(a: torch.Tensor, b: torch.Tensor, normalize: mf.Normalize) -> tuple[float, float]:
+    """Max and mean |a - b| in pixel levels, for uint8 levels or normalised values."""
+    if a.dtype == torch.uint8:
+        d = (a.int() - b.int()).abs().float()
+    else:  # undo the normalisation: one level is scale / std of a normalised unit
+        a_, _ = normalize.affine()
+        d = (a - b).abs().view(a.shape[0], len(a_), -1).double() / a_[:, None]
+    return d.max().item(), d.mean().item()
+
+
+def test_fast_is_transformers_torchvision_and_stays_close_to_exact() -> None:
+    pytest.importorskip("torchvision")
+    from transformers.models.ernie4_5_vl_moe.image_processing_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessor,
+    )
+    from transformers.models.ernie4_5_vl_moe.video_processing_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeVideoProcessor,
+    )
+
+    model = models.load("ernie4.5-vl")
+    # Photo-like images at sizes that down- and up-scale, and a random one.
+    images = [Image.fromarray(samples.photo_like(h, w, seed=i))
+              for i, (h, w) in enumerate([(768, 1024), (300, 200), (97, 131), (1080, 700)])]
+    images.append(Image.fromarray(_rgb(120, 90, 3)))
+    tv = Ernie4_5_VLMoeImageProcessor()(images=images, return_tensors="pt")
+    pil = Ernie4_5_VLMoeImageProcessorPil()(images=images, return_tensors="pt")
+    fast = model.processor(images=images, **FAST)
+    assert torch.equal(fast["image_grid_thw"], tv["image_grid_thw"])
+    assert torch.equal(fast["pixel_values"], tv["pixel_values"])
+    clips = [samples.video_like(3, 70, 100, seed=1), samples.video_like(4, 200, 90, seed=2)]
+    video = Ernie4_5_VLMoeVideoProcessor(draw_on_frames=False)(videos=clips, return_tensors="pt")
+    frames = model.processor(videos=clips, **FAST)
+    assert torch.equal(frames["video_grid_thw"], video["video_grid_thw"])
+    assert torch.equal(frames["pixel_values_videos"], video["pixel_values_videos"])
+    # fast vs exact in pixel levels, ours on uint8 and transformers' torchvision vs PIL
+    # processors on their normalised output: the same pixels, so the same difference.
+    ours = _levels_diff(model.processor(images=images)["pixel_values"],
+                        model.processor(images=images, resize_mode="exact")["pixel_values"],
+                        model.normalize)
+    theirs = _levels_diff(tv["pixel_values"], pil["pixel_values"], model.normalize)
+    print(f"fast vs exact, levels: ours max {ours[0]:.0f} mean {ours[1]:.4f}; transformers "
+          f"torchvision vs PIL max {theirs[0]:.3f} mean {theirs[1]:.4f}")
+    assert 0 < ours[0] <= theirs[0] + 1e-3 and ours[1] <= theirs[1] + 1e-4
 
 
 def _drawing_folder(folder: Path, draw: bool = True) -> Path:
@@ -347,6 +429,36 @@ def test_batch_equals_items_encoded_one_by_one(pair) -> None:
     assert [s.shape[0] for s in singles] == counts
     for got, want in zip(batch.split(counts), singles, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("resize_mode", ["fast", "exact"])
+def test_uint8_embeddings_equal_the_float32_path(pair, resize_mode: str) -> None:
+    _, ours = pair
+    images = [samples.photo_like(h, w, seed=i) for i, (h, w) in enumerate(PHOTOS)]
+    clips = [samples.video_like(3, 70, 100, seed=5), samples.video_like(4, 56, 84, seed=6)]
+    kwargs = dict(images=images, videos=clips, **SMALL, resize_mode=resize_mode)
+    levels = ours.processor(**kwargs)
+    floats = ours.processor(**kwargs, pixel_dtype="float32")
+    assert levels["pixel_values"].dtype == torch.uint8
+    worst = 0.0
+    with torch.no_grad():
+        for values, grid in (("pixel_values", "image_grid_thw"),
+                             ("pixel_values_videos", "video_grid_thw")):
+            got = ours.encode(**{values: levels[values], grid: levels[grid]})
+            want = ours.encode(**{values: floats[values], grid: floats[grid]})
+            assert got.shape == want.shape and got.shape[0] > 8
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"uint8 vs float32 embeddings ({resize_mode}): max |diff| {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def test_pixel_options_are_checked_before_media_is_read() -> None:
+    model = models.load("ernie4.5-vl")
+    for option, value in (("pixel_dtype", "float16"), ("pixel_dtype", torch.uint8),
+                          ("resize_mode", "nearest")):
+        with pytest.raises(ArgumentError) as e:  # not the MediaError the junk would give
+            model.processor(images=[b"junk"], **{option: value})
+        assert e.value.argument == option
 
 
 def test_bfloat16_stays_close_to_float32(pair) -> None:

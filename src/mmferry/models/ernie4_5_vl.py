@@ -243,25 +243,25 @@ def _fused_table(mean: tuple[float, ...], std: tuple[float, ...], scale: float) 
     return table
 
 
-def _patchify_into(out: np.ndarray, frame: np.ndarray, table: np.ndarray | None, *,
+def _patchify_into(out: np.ndarray, planes: np.ndarray, table: np.ndarray | None, *,
                    patch: int, merge: int) -> None:
-    """Write ``frame`` (uint8 ``[H, W, C]``) into ``out`` (``[H·W/P², C·P·P]``, uint8 when
-    ``table`` is None, else float32).
+    """Write ``planes`` (one frame, uint8 ``[C, H, W]``) into ``out`` (``[H·W/P², C·P·P]``,
+    uint8 when ``table`` is None, else float32).
 
     Rows run over (merge-block row, merge-block column, row in block, column in block);
     columns over (channel, patch row, patch column). uint8 levels are copied as they are, in
     one strided copy; float32 values are looked up per channel in ``table`` with one fancy
     index (numpy's ``take`` is several times slower on uint8 indices), then copied in patch
     order."""
-    h, w, c = frame.shape
+    c, h, w = planes.shape
     bh, bw = h // (patch * merge), w // (patch * merge)
     dest = out.reshape(bh, bw, merge, merge, c, patch, patch)
     if table is None:
-        dest[...] = frame.reshape(bh, merge, patch, bw, merge, patch, c).transpose(
-            0, 3, 1, 4, 6, 2, 5)
+        dest[...] = planes.reshape(c, bh, merge, patch, bw, merge, patch).transpose(
+            1, 4, 2, 5, 0, 3, 6)
         return
     for ch in range(c):
-        dest[:, :, :, :, ch] = table[ch][frame[..., ch]].reshape(
+        dest[:, :, :, :, ch] = table[ch][planes[ch]].reshape(
             bh, merge, patch, bw, merge, patch).transpose(0, 3, 1, 4, 2, 5)
 
 
@@ -574,8 +574,8 @@ class Ernie45VL(nn.Module):
         rows, start = pixels.numpy(), 0
         for frames, (h, w), n in zip(media, sizes, frame_rows, strict=True):
             for frame in frames:
-                _patchify_into(rows[start:start + n], resize(frame, h, w, mode=resize_mode),
-                               table, patch=patch, merge=merge)
+                planes = resize(frame, h, w, mode=resize_mode, channels_first=True)
+                _patchify_into(rows[start:start + n], planes, table, patch=patch, merge=merge)
                 start += n
             if modality == "video" and len(frames) % 2:
                 # An odd clip is padded with its last frame, already in place just above.
