@@ -2,7 +2,8 @@
 ``Ernie4_5_VLMoeImageProcessorPil`` and ``fast`` against its torchvision
 ``Ernie4_5_VLMoeImageProcessor`` (what vLLM loads by default), one image per call, one torch
 thread, photo-like images, CPU-time medians of interleaved runs in rotating order. Also the
-fast-vs-exact difference in pixel levels, ours and transformers' own.
+fast-vs-exact difference in pixel levels, ours and transformers' own, the bytes of uint8 and
+float32 pixels, and one video set (uint8 ``fast`` against ``Ernie4_5_VLMoeVideoProcessor``).
 
     python3 benchmarks/ernie4_5_vl_pixels.py [--rounds 15]
 
@@ -82,6 +83,17 @@ def main() -> None:
               f"{ours[0]:.0f} mean {ours[1]:.3f}, transformers tv-pil max {theirs[0]:.2f} mean "
               f"{theirs[1]:.3f} | bytes uint8 {out['fast']['pixel_values'].nbytes} vs float32 "
               f"{floats['fast']['pixel_values'].nbytes}")
+    from transformers.models.ernie4_5_vl_moe.video_processing_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeVideoProcessor,
+    )
+
+    video = Ernie4_5_VLMoeVideoProcessor(draw_on_frames=False)
+    clips = [samples.video_like(16, 360, 640, seed=0), samples.video_like(9, 240, 320, seed=1)]
+    s = _median_cpu_seconds({"torchvision": lambda: video(videos=clips, return_tensors="pt"),
+                             "fast": lambda: model.processor(videos=clips)}, max(args.rounds // 3, 3))
+    print(f"videos 16x640x360 + 9x320x240: torchvision video processor "
+          f"{s['torchvision'] * 1e3:6.1f} ms  fast uint8 {s['fast'] * 1e3:6.1f} ms "
+          f"({s['fast'] / s['torchvision']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -129,8 +129,8 @@ def _video_transcription(frames: np.ndarray, min_pixels: int, max_pixels: int,
     torch, as it runs on a CPU: its frame sampling, last-frame padding, torchvision's
     bicubic resize of uint8 (which calls interpolate on the uint8 tensor), the fused
     rescale-and-normalise, and its patch permutation. (That class needs torchvision, which
-    the test environment lacks; benchmarks/ernie4_5_vl_processor.py compares with the class
-    itself where torchvision is installed.)"""
+    the test extra lacks; test_fast_is_transformers_torchvision_and_stays_close_to_exact
+    compares with the class itself where torchvision is installed.)"""
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
         smart_resize,
     )
