@@ -40,6 +40,24 @@ def test_encode_samples_prints_one_row_per_item() -> None:
     assert "2 encoder call(s)" in result.output
 
 
+def test_encode_pixel_options_reach_the_processor(images: list[Path], tmp_path: Path) -> None:
+    saved = {}
+    for name, options in (("levels", []), ("floats", ["--pixel-dtype", "float32"]),
+                          ("exact", ["--resize-mode", "exact"])):
+        out = tmp_path / f"{name}.safetensors"
+        result = run("encode", *map(str, images), *options, "--out", str(out))
+        assert result.exit_code == 0, result.output
+        saved[name] = load_file(out)
+    # Keys are item hashes: the dtype changes every item; the resize mode changes the
+    # 64x48 image (resized to 56x56) and not the 56x56 one (not resized).
+    assert saved["levels"].keys().isdisjoint(saved["floats"])
+    assert len(saved["exact"].keys() & saved["levels"].keys()) == 1
+    # uint8 levels and float32 pixels are the same input to the encoder (files hold their
+    # embeddings in key order, so each is matched to its nearest).
+    for a in saved["levels"].values():
+        assert min((a - b).abs().max() for b in saved["floats"].values() if b.shape == a.shape) < 1e-5
+
+
 def test_encode_reports_bad_files_and_still_encodes_the_rest(images: list[Path], tmp_path: Path) -> None:
     truncated = tmp_path / "truncated.png"
     truncated.write_bytes(images[0].read_bytes()[:60])

@@ -140,6 +140,9 @@ def test_server_help_needs_no_gpu(path: tuple[str, ...]) -> None:
     (["encode"], "FILES"),
     (["serve", "--max-batch-tokens", "100", "--cache-max-tokens", "50"], "--max-batch-tokens"),
     (["launch", "render", "--allow-private-addresses"], "--allow-private-addresses"),
+    (["encode", "--samples", "1", "--model", "qwen2-audio", "--pixel-dtype", "float32"],
+     "--pixel-dtype"),
+    (["launch", "render", "--model", "firered-lid", "--resize-mode", "exact"], "--resize-mode"),
 ])
 def test_rules_are_usage_errors(nothing_starts: None, tmp_path: Path, args: list[str],
                                 flag: str) -> None:

@@ -27,6 +27,9 @@ VISION = dict(depth=2, embed_dim=48, hidden_size=40, num_heads=2, mlp_ratio=2,
               patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
               rope_parameters={"rope_type": "axial", "rope_theta": 5000.0})
 SMALL = dict(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+# transformers' PIL processor's pixels, normalised as it does: what the parity tests compare.
+EXACT32 = dict(pixel_dtype="float32", resize_mode="exact")
+F32 = dict(pixel_dtype="float32")
 
 # float32 on both sides. The remaining differences are summation order only: our patch
 # embedding is a matmul where the reference runs a Conv3d, and frames of one length share one
@@ -79,7 +82,7 @@ def test_processor_matches_transformers_pil_bit_for_bit(bounds: dict[str, int]) 
         if bounds else None
     ref = Qwen2VLImageProcessorPil(**({"size": size} if size else {}))(
         images=images, return_tensors="pt")
-    out = model.processor(images=images, **bounds)
+    out = model.processor(images=images, **bounds, **EXACT32)
     assert set(out) == {"pixel_values", "image_grid_thw"}
     assert out["pixel_values"].dtype == torch.float32
     assert out["image_grid_thw"].dtype == torch.int64
@@ -95,7 +98,7 @@ def test_video_layout_matches_transformers_frame_by_frame() -> None:
     # row, col), columns (C, frame in temporal patch, P, P); odd frame counts repeat the last.
     model = models.load("qwen2-vl")
     frames = [_rgb(70, 100, 20 + i) for i in range(5)]
-    out = model.processor(videos=[frames], **SMALL)
+    out = model.processor(videos=[frames], **SMALL, **EXACT32)
     per_frame = Qwen2VLImageProcessorPil(
         size={"shortest_edge": SMALL["min_pixels"], "longest_edge": SMALL["max_pixels"]},
         temporal_patch_size=1)
@@ -108,8 +111,8 @@ def test_video_layout_matches_transformers_frame_by_frame() -> None:
     assert out["video_grid_thw"].tolist() == [[3, int(grid[1]), int(grid[2])]]
     assert torch.equal(out["pixel_values_videos"], torch.cat(groups))
     # One frame is a still image repeated over the temporal patch: identical to the image path.
-    still = model.processor(videos=[[frames[0]]], **SMALL)
-    image = model.processor(images=[frames[0]], **SMALL)
+    still = model.processor(videos=[[frames[0]]], **SMALL, **EXACT32)
+    image = model.processor(images=[frames[0]], **SMALL, **EXACT32)
     assert torch.equal(still["pixel_values_videos"], image["pixel_values"])
 
 
@@ -145,7 +148,7 @@ def test_smart_resize_bounds() -> None:
                          ids=["one", "three-sizes", "repeated-size"])
 def test_encoder_matches_transformers_on_images(pair, sizes: list[tuple[int, int]]) -> None:
     ref, ours = pair
-    out = ours.processor(images=[_rgb(h, w, i) for i, (h, w) in enumerate(sizes)], **SMALL)
+    out = ours.processor(images=[_rgb(h, w, i) for i, (h, w) in enumerate(sizes)], **SMALL, **F32)
     with torch.no_grad():
         got = ours.encode(**out)
     want = _reference(ref, out["pixel_values"], out["image_grid_thw"])
@@ -157,7 +160,7 @@ def test_encoder_matches_transformers_on_images(pair, sizes: list[tuple[int, int
 def test_encoder_matches_transformers_on_videos(pair) -> None:
     ref, ours = pair
     videos = [[_rgb(56, 84, 30 + i) for i in range(5)], [_rgb(84, 84, 40 + i) for i in range(2)]]
-    out = ours.processor(videos=videos, **SMALL)
+    out = ours.processor(videos=videos, **SMALL, **F32)
     assert out["video_grid_thw"][:, 0].tolist() == [3, 1]
     with torch.no_grad():
         got = ours.encode(**out)
@@ -185,7 +188,7 @@ def test_batch_equals_items_encoded_one_by_one(pair) -> None:
 
 def test_bfloat16_stays_close_to_float32(pair) -> None:
     _, ours = pair
-    out = ours.processor(images=[_rgb(56, 84, 0)], **SMALL)
+    out = ours.processor(images=[_rgb(56, 84, 0)], **SMALL, **F32)
     half = models.load("qwen2-vl", config={"vision_config": VISION}, dtype="bfloat16")
     half.load_state_dict(ours.state_dict())
     assert half.visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
@@ -305,3 +308,128 @@ def test_check_item_refuses_rows_that_disagree_with_the_grid() -> None:
         with pytest.raises(ContractError) as e:
             model.check_item(data)
         assert e.value.field == field
+
+
+# -- uint8 levels ------------------------------------------------------------------------
+
+
+def _normalised(levels: torch.Tensor, normalize: mf.Normalize, repeat: int) -> torch.Tensor:
+    """Levels ``[N, C·k]`` normalised as transformers does (rescale in float64, then float32)
+    and repeated ``repeat`` times per channel: the float32 layout."""
+    n, c = levels.shape[0], normalize.channels
+    scaled = (levels.double() * normalize.scale).float().view(n, c, 1, -1)
+    mean = torch.tensor(normalize.mean, dtype=torch.float32).view(1, c, 1, 1)
+    std = torch.tensor(normalize.std, dtype=torch.float32).view(1, c, 1, 1)
+    return ((scaled - mean) / std).expand(n, c, repeat, scaled.shape[-1]).reshape(n, -1)
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_levels_are_the_float_pixels_before_normalising(mode: str) -> None:
+    model = models.load("qwen2-vl")
+    images = [_rgb(100, 60, 0), _rgb(37, 211, 1)]
+    videos = [[_rgb(70, 100, 20 + i) for i in range(3)], [_rgb(56, 56, 9)]]
+    levels = model.processor(images=images, videos=videos, **SMALL, resize_mode=mode)
+    floats = model.processor(images=images, videos=videos, **SMALL, resize_mode=mode,
+                             pixel_dtype="float32")
+    assert levels["pixel_values"].dtype == levels["pixel_values_videos"].dtype == torch.uint8
+    # An image is sent once: half the columns of the float layout, a quarter of its bytes each.
+    assert levels["pixel_values"].shape == (floats["pixel_values"].shape[0], 3 * 14 * 14)
+    assert levels["pixel_values_videos"].shape == floats["pixel_values_videos"].shape
+    for name in ("image_grid_thw", "video_grid_thw"):
+        assert torch.equal(levels[name], floats[name])
+    specs = model.field_specs(levels)
+    assert specs["pixel_values"].normalize == specs["pixel_values_videos"].normalize \
+        == model.normalize == mf.Normalize(model.processor_config.image_mean,
+                                           model.processor_config.image_std)
+    assert model.field_specs(floats)["pixel_values"].normalize is None
+    torch.testing.assert_close(_normalised(levels["pixel_values"], model.normalize, 2),
+                               floats["pixel_values"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(_normalised(levels["pixel_values_videos"], model.normalize, 1),
+                               floats["pixel_values_videos"], atol=1e-6, rtol=0)
+
+
+def test_uint8_embeddings_equal_the_float32_path(pair) -> None:
+    _, ours = pair
+    images = [_rgb(h, w, i) for i, (h, w) in enumerate([(100, 60), (37, 211), (140, 84)])]
+    videos = [[_rgb(56, 84, 30 + i) for i in range(5)], [_rgb(84, 84, 40)]]
+    for mode in ("fast", "exact"):
+        levels = ours.processor(images=images, videos=videos, **SMALL, resize_mode=mode)
+        floats = ours.processor(images=images, videos=videos, **SMALL, resize_mode=mode,
+                                pixel_dtype="float32")
+        for pixels, grid in (("pixel_values", "image_grid_thw"),
+                             ("pixel_values_videos", "video_grid_thw")):
+            with torch.no_grad():
+                got = ours.encode(**{pixels: levels[pixels], grid: levels[grid]})
+                want = ours.encode(**{pixels: floats[pixels], grid: floats[grid]})
+            assert (got - want).abs().max() < 1e-5, (mode, pixels)
+
+
+def test_uint8_items_through_wire_and_runner_equal_float32(pair) -> None:
+    _, ours = pair
+    images = [_rgb(h, w, i) for i, (h, w) in enumerate([(100, 60), (56, 84)])]
+    outs = {}
+    for dtype in ("uint8", "float32"):
+        out = ours.processor(images=images, **SMALL, pixel_dtype=dtype)
+        items = mf.wire.decode(mf.wire.encode(mf.split_items(out, ours.field_specs(out))))
+        with torch.no_grad():
+            outs[dtype] = mf.EncoderRunner(ours).encode(items)
+    for got, want in zip(outs["uint8"], outs["float32"], strict=True):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_fast_pixels_are_transformers_torchvision_pixels() -> None:
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    model = models.load("qwen2-vl")
+    images = [_rgb(h, w, i) for i, (h, w) in enumerate([(100, 60), (37, 211), (300, 17), (56, 56)])]
+    size = {"shortest_edge": SMALL["min_pixels"], "longest_edge": SMALL["max_pixels"]}
+    ref = Qwen2VLImageProcessor(size=size)(images=images, return_tensors="pt")
+    out = model.processor(images=images, **SMALL, **F32)
+    assert torch.equal(out["image_grid_thw"], ref["image_grid_thw"])
+    # Same uint8 resize; transformers normalises in one float32 pass where we look up a table
+    # built as its PIL processor does, so values may differ in the last float32 bit.
+    torch.testing.assert_close(out["pixel_values"], ref["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_check_item_takes_levels_only_with_the_models_normalisation() -> None:
+    model = models.load("qwen2-vl")
+    out = model.processor(images=[_rgb(56, 84, 0)], **SMALL)
+    (item,) = mf.split_items(out, model.field_specs(out))["image"]
+    model.check_item(item)
+    other = mf.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    specs = {**item.specs, "pixel_values": mf.FieldSpec.flat_from_sizes("image", [24],
+                                                                         normalize=other).for_item()}
+    for bad in (mf.Item("image", dict(item), specs), dict(item)):
+        with pytest.raises(ContractError, match="normalize") as e:
+            model.check_item(bad)
+        assert e.value.field == "pixel_values"
+    wide = {"pixel_values": torch.zeros(24, 1176, dtype=torch.uint8),
+            "image_grid_thw": item["image_grid_thw"]}
+    with pytest.raises(ContractError, match="uint8") as e:
+        model.check_item(mf.Item("image", wide, item.specs))
+    runner = mf.EncoderRunner(model)
+    assert runner.encode([mf.Item("image", dict(item), specs)]) == [None]
+    assert runner.last.errors[0].field == "pixel_values"
+
+
+def test_pixel_options_are_checked_before_any_media() -> None:
+    model = models.load("qwen2-vl")
+    with pytest.raises(mf.ArgumentError) as e:
+        model.processor(images=[b"not an image"], pixel_dtype="float16")
+    assert e.value.argument == "pixel_dtype"
+    with pytest.raises(mf.ArgumentError) as e:
+        model.processor(images=[b"not an image"], resize_mode="lanczos")
+    assert e.value.argument == "resize_mode"
+
+
+def test_the_folded_weights_audit_clean_after_use_and_again() -> None:
+    # The folded patch embedding is derived once and kept: as a buffer of the model it lives
+    # on the device like its parameters, whether it was made before an audit or in one.
+    model = models.load("qwen2-vl")
+    d = model.dummy_inputs()
+    model.encode(pixel_values=d["pixel_values"], image_grid_thw=d["image_grid_thw"])
+    for _ in range(2):
+        reports = mf.audit.audit_model(model)
+        assert all(r.ok and not r.findings for r in reports.values()), reports
+    assert not any("fold" in k for k in model.state_dict())

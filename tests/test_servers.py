@@ -138,7 +138,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     render = ServerProcess(
         "launch", "render", "--workers", "2", "--max-items", "4", "--max-request-bytes", "2MiB",
         "--max-media-bytes", "1MiB", "--api-key", API_KEY, "--fetch-timeout", "image=1",
-        "--max-inflight", "2",
+        "--max-inflight", "2", "--resize-mode", "exact",
         "--allowed-media-domains", f"127.0.0.1,{FETCH_HOST},169.254.169.254,localhost",
         "--allow-private-addresses", f"{FETCH_HOST}/32",
         "--allowed-local-media-path", str(tmp / "local"), log=tmp / "render.log")
@@ -162,7 +162,8 @@ def model() -> mf.EncoderModel:
 
 
 def in_process(model: mf.EncoderModel, images: list[bytes]) -> tuple[list[mf.Item], list[torch.Tensor]]:
-    outputs = model.processor(images=images)
+    # The render server runs with --resize-mode exact: equal hashes show it applied the flag.
+    outputs = model.processor(images=images, resize_mode="exact")
     items = mf.split_items(outputs, model.field_specs(outputs)).in_order()
     return items, mf.EncoderRunner(model).encode(items)
 
@@ -195,6 +196,21 @@ def test_render_then_serve_equals_in_process(servers: dict[str, str], model: mf.
     r = httpx.get(f"{servers['serve']}/health", trust_env=False)
     assert r.status_code == 200 and r.json()["probe_rows"] > 0
     assert r.headers["x-mmferry-compat"] == r.json()["compat"]["id"]
+
+
+def test_render_ships_uint8_levels_and_float32_on_request(servers: dict[str, str],
+                                                         model: mf.EncoderModel) -> None:
+    images = [png(320, 240, 4), png(224, 336, 5)]
+    with Client(servers["render"], api_key=API_KEY) as render, Client(servers["serve"]) as enc:
+        levels = render.render(images=images)
+        floats = render.render(images=images, processor_kwargs={"pixel_dtype": "float32"})
+        assert all(it["pixel_values"].dtype == torch.uint8 for it in levels.items)
+        assert all(it.specs["pixel_values"].normalize == model.normalize for it in levels.items)
+        assert all(it["pixel_values"].dtype == torch.float32 for it in floats.items)
+        assert sum(it.nbytes for it in levels.items) * 7 < sum(it.nbytes for it in floats.items)
+        for a, b in zip(enc.encode(levels), enc.encode(floats), strict=True):
+            assert a.error is None and b.error is None
+            assert (a.rows - b.rows).abs().max() < 1e-5
 
 
 def _json(url: str, entry: dict[str, str], **kw: object) -> httpx.Response:

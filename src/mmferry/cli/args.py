@@ -33,6 +33,7 @@ __all__ = [
     "MEDIA",
     "MODEL",
     "NETWORK",
+    "PIXELS",
     "POOL",
     "RULES",
     "Check",
@@ -43,6 +44,7 @@ __all__ = [
     "check_weights",
     "options",
     "parse_size",
+    "pixel_options",
     "validate",
     "validated",
 ]
@@ -318,6 +320,21 @@ def _batch_fits_cache(ns: Mapping[str, Any]) -> None:
                             f"{ns['cache_max_tokens']}", argument="--max-batch-tokens")
 
 
+def _pixels_need_images(ns: Mapping[str, Any]) -> None:
+    from mmferry import models
+
+    modalities = models.model_class(ns["model_name"]).modalities
+    for key, flag in (("pixel_dtype", "--pixel-dtype"), ("resize_mode", "--resize-mode")):
+        if ns[key] is not None and not {"image", "video"} & set(modalities):
+            raise ArgumentError(f"{ns['model_name']} takes no images or videos",
+                                argument=flag)
+
+
+def pixel_options(ns: Mapping[str, Any]) -> dict[str, str]:
+    """The processor keywords ``--pixel-dtype`` / ``--resize-mode`` give (those set only)."""
+    return {k: ns[k] for k in ("pixel_dtype", "resize_mode") if ns.get(k) is not None}
+
+
 def _private_needs_domains(ns: Mapping[str, Any]) -> None:
     if ns["allow_private_addresses"] is not None and not ns["allowed_media_domains"]:
         raise ArgumentError("only applies to fetched URLs; give --allowed-media-domains too",
@@ -331,6 +348,7 @@ RULES: list[tuple[frozenset[str], Callable[[Mapping[str, Any]], None]]] = [
     (frozenset({"all_models", "model_names"}), _models_or_all),
     (frozenset({"max_batch_tokens", "cache_max_tokens"}), _batch_fits_cache),
     (frozenset({"allow_private_addresses", "allowed_media_domains"}), _private_needs_domains),
+    (frozenset({"model_name", "pixel_dtype", "resize_mode"}), _pixels_need_images),
 ]
 
 
@@ -438,6 +456,16 @@ MEDIA: list[Decorator] = [
                  help="Seconds a URL fetch may take, per modality (or one number)."),
     click.option("--max-redirects", type=int, default=5, show_default=True,
                  help="Redirects a fetch follows, each re-checked."),
+]
+
+PIXELS: list[Decorator] = [
+    click.option("--pixel-dtype", type=click.Choice(["uint8", "float32"]), default=None,
+                 help="Image and video pixels as uint8 levels with the normalisation in their "
+                      "contract (the default; a quarter of the bytes), or normalised float32 "
+                      "as transformers gives them."),
+    click.option("--resize-mode", type=click.Choice(["fast", "exact"]), default=None,
+                 help="fast (the default): the pixels of transformers' torchvision processors, "
+                      "which vLLM uses; exact: those of its PIL processors."),
 ]
 
 POOL: list[Decorator] = [

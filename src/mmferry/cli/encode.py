@@ -12,7 +12,7 @@ from typing import Any
 import click
 import torch
 
-from mmferry.cli.args import DEVICE, MODEL, options, validated
+from mmferry.cli.args import DEVICE, MODEL, PIXELS, options, pixel_options, validated
 from mmferry.cli.table import print_table
 from mmferry.encoder import EncoderCache, EncoderModel, EncoderRunner
 from mmferry.errors import ArgumentError, MediaError, MmferryError
@@ -90,7 +90,7 @@ def _describe_media(modality: str, media: Any) -> str:
     return f"{len(samples) / rate:.2f}s"
 
 
-def _prepare(model: EncoderModel, path: Path) -> _FileResult:
+def _prepare(model: EncoderModel, path: Path, pixels: dict[str, str]) -> _FileResult:
     from mmferry.media import decode_audio, load_image, load_video
 
     result = _FileResult(path)
@@ -105,7 +105,8 @@ def _prepare(model: EncoderModel, path: Path) -> _FileResult:
                       load_video(path) if modality == "video" else decode_audio(path))
         result.media = _describe_media(modality, media)
         t1 = time.perf_counter()
-        outputs = model.processor(**{_PROCESSOR_ARGUMENT[modality]: [media]})
+        options = pixels if modality in ("image", "video") else {}
+        outputs = model.processor(**{_PROCESSOR_ARGUMENT[modality]: [media]}, **options)
         t2 = time.perf_counter()
         (result.item,) = split_items(outputs, model.field_specs(outputs))[modality]
         t3 = time.perf_counter()
@@ -137,7 +138,7 @@ def _load_model(name: str, weights: Path | None, device: torch.device) -> Encode
 
 @click.command()
 @click.argument("files", nargs=-1)
-@options(MODEL, DEVICE)
+@options(MODEL, DEVICE, PIXELS)
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Save embeddings to this .safetensors file, keyed by item hash.")
 @click.option("--samples", type=int, default=None,
@@ -149,8 +150,8 @@ def _load_model(name: str, weights: Path | None, device: torch.device) -> Encode
               help="Encode on a running `mmferry serve` at URL (render here, encode there).")
 @validated
 def encode(files: tuple[str, ...], model_name: str, weights: Path | None, device: torch.device,
-           out: Path | None, samples: int | None, max_tokens_per_step: int | None,
-           server: str | None) -> None:
+           pixel_dtype: str | None, resize_mode: str | None, out: Path | None,
+           samples: int | None, max_tokens_per_step: int | None, server: str | None) -> None:
     """Encode media FILES into embeddings and print, per item, its tokens, embedding shape,
     cache hit or miss, modality, media and stage times. The modality comes from the file:
     images, videos (a file PyAV decodes, or a folder of frames) and audio, as the model
@@ -168,7 +169,8 @@ def encode(files: tuple[str, ...], model_name: str, weights: Path | None, device
         show_progress = len(paths) >= 8 and sys.stderr.isatty()
         from tqdm import tqdm
 
-        results = [_prepare(model, path) for path in
+        pixels = pixel_options({"pixel_dtype": pixel_dtype, "resize_mode": resize_mode})
+        results = [_prepare(model, path, pixels) for path in
                    tqdm(paths, desc="preprocess", disable=not show_progress, unit="file")]
         prepared = [r for r in results if r.item is not None]
         if server is not None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from mmferry.cli.args import MEDIA, MODEL, NETWORK, POOL, options, validated
+from mmferry.cli.args import MEDIA, MODEL, NETWORK, PIXELS, POOL, options, pixel_options, validated
 
 __all__ = ["launch", "media_limits"]
 
@@ -33,12 +33,13 @@ def media_limits(ns: dict[str, Any]) -> Any:
 
 
 @launch.command("render")
-@options(MODEL, NETWORK(8100), POOL, MEDIA)
+@options(MODEL, NETWORK(8100), POOL, MEDIA, PIXELS)
 @validated
 def render(**ns: Any) -> None:
     """Serve POST /v1/render on the CPU: media in (JSON or multipart), per-item hashes and
     token counts out (JSON), or the items themselves as mmferry frames
     (Accept: application/vnd.mmferry.frames). Loads the model's processor, never its weights.
+    --pixel-dtype / --resize-mode set the default of a request's processor_kwargs.
     Also GET /health (200 after the workers' warm-up render), /v1/models, /metrics."""
     from mmferry import models
     from mmferry.server.http import serve
@@ -53,5 +54,5 @@ def render(**ns: Any) -> None:
                        weights=None if weights is None else str(weights), workers=workers,
                        max_inflight=ns["max_inflight"] or 4 * workers,
                        max_request_bytes=ns["max_request_bytes"], limits=media_limits(ns),
-                       api_keys=ns["api_keys"])
+                       api_keys=ns["api_keys"], processor_defaults=pixel_options(ns))
     serve(create_app(cfg), ns["host"], ns["port"], name="mmferry render")

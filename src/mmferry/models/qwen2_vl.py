@@ -1,9 +1,14 @@
 """Qwen2-VL: its image/video processor, field contract and vision encoder.
 
-The processor matches transformers' ``Qwen2VLImageProcessorPil`` (smart resize with Pillow's
-bicubic filter, rescale and CLIP normalisation, temporal patching, the merge-block patch
-order). The encoder is the Qwen2-VL vision tower (``Qwen2VisionTransformerPretrainedModel``)
-with the public checkpoint's parameter names under ``visual.``.
+The processor resizes as transformers' ``Qwen2VLImageProcessorPil`` (``resize_mode="exact"``,
+Pillow's bicubic filter) or its torchvision ``Qwen2VLImageProcessor`` (``"fast"``, the
+default), then patchifies in the merge-block patch order. By default the patches stay uint8
+levels with the CLIP normalisation declared in their field spec, and an image is sent once
+rather than repeated over the temporal patch; the encoder folds both into its patch
+embedding. ``pixel_dtype="float32"`` gives transformers' normalised, repeated patches.
+
+The encoder is the Qwen2-VL vision tower (``Qwen2VisionTransformerPretrainedModel``) with the
+public checkpoint's parameter names under ``visual.``.
 
 Placement: ``image_grid_thw`` / ``video_grid_thw`` stay on the host. Everything derived from
 them (split sizes, attention runs, rotary positions) is host math; the one derived tensor that
@@ -27,12 +32,15 @@ from PIL import Image
 from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError, MediaError
-from mmferry.fields import FieldSpec
+from mmferry.fields import FieldSpec, Normalize
 from mmferry.media import load_image, load_video
 from mmferry.media.arguments import as_images, as_videos
+from mmferry.media.resize import DEFAULT_PIXEL_DTYPE, DEFAULT_RESIZE_MODE, check_pixel_options, resize
 from mmferry.models.blocks import (
     ACTIVATIONS,
+    PixelFold,
     RotaryBlock,
+    check_normalize,
     describe,
     frame_rotary,
 )
@@ -192,33 +200,31 @@ def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndar
     return table
 
 
-def _patchify_into(out: np.ndarray, frames: np.ndarray, table: np.ndarray, *, patch: int,
-                   merge: int, temporal: int) -> None:
-    """Write ``frames`` (uint8 ``[T, H, W, C]``) into ``out`` (``[N, C*temporal*P*P]``).
+def _patch_order(frames: np.ndarray, *, patch: int, merge: int, per_patch: int) -> np.ndarray:
+    """``frames`` (uint8 ``[T, H, W, C]``) as a view ``[N, C, per_patch·P·P]`` in patch order.
 
     Rows run over (t, merge-block row, merge-block column, row in block, column in block);
-    columns over (channel, frame in the temporal patch, patch row, patch column). A single
-    frame (an image) stands for ``temporal`` identical frames. The uint8 pixels are reordered
-    first (a quarter of the float bytes), then looked up in ``table``.
+    columns over (channel, frame in the temporal patch, patch row, patch column).
     """
     t, h, w, c = frames.shape
-    per_patch = 1 if t == 1 else temporal  # distinct frames in one temporal patch
     gh, gw = h // patch, w // patch
     n = (t // per_patch) * gh * gw
-    ordered = frames.reshape(
+    return frames.reshape(
         t // per_patch, per_patch, gh // merge, merge, patch, gw // merge, merge, patch, c
     ).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(n, c, per_patch * patch * patch)
-    dest = out.reshape(n, c, temporal // per_patch, per_patch * patch * patch)
-    values = np.empty((n, per_patch * patch * patch), dtype=np.float32)
+
+
+def _normalise_into(out: np.ndarray, ordered: np.ndarray, table: np.ndarray, temporal: int) -> None:
+    """Look ``ordered`` (uint8 ``[N, C, k·P·P]``) up in ``table`` into ``out``
+    (``[N, C·temporal·P·P]`` float32), repeating a single frame over the temporal patch as
+    transformers does. Reordering the uint8 levels first moves a quarter of the bytes."""
+    n, c, width = ordered.shape
+    repeat = out.shape[1] // (c * width)
+    dest = out.reshape(n, c, repeat, width)
+    values = np.empty((n, width), dtype=np.float32)
     for ch in range(c):
-        np.take(table[ch], ordered[:, ch], out=values, mode="clip")
+        np.take(table[ch], ordered[:, ch], out=values)
         dest[:, ch] = values[:, None, :]
-
-
-def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
-    if img.size != (width, height):
-        img = img.resize((width, height), Image.Resampling.BICUBIC)
-    return np.asarray(img)
 
 
 # -- encoder -----------------------------------------------------------------------------
@@ -231,10 +237,21 @@ class PatchEmbed(nn.Module):
         # Kernel == stride, so the Conv3d is a Linear over the flattened (C, T, P, P) patch;
         # it is kept as a Conv3d for the checkpoint's parameter name and shape.
         self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, stride=kernel, bias=False)
+        self.fold = nn.ModuleDict({"image": PixelFold(), "video": PixelFold()})
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, normalize: Normalize | None = None) -> torch.Tensor:
+        """Float pixels ``[N, C·Tp·P·P]`` as transformers gives them, or uint8 levels with the
+        ``normalize`` they stand for: ``[N, C·Tp·P·P]`` (video) or ``[N, C·P·P]`` (an image,
+        sent once for the Tp frames it stands for)."""
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
+        if pixels.dtype != torch.uint8:
+            return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
+        if normalize is None:
+            raise ContractError("uint8 pixels need their normalisation", field="pixel_values")
+        once = pixels.shape[1] != weight[0].numel()
+        w, b = self.fold["image" if once else "video"](weight, None, normalize, 1,
+                                                       (2,) if once else ())
+        return F.linear(pixels.to(w.dtype), w.view(w.shape[0], -1), b)
 
 
 class PatchMerger(nn.Module):
@@ -262,9 +279,11 @@ class VisionTower(nn.Module):
                         cfg.hidden_act, 1e-6) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
 
-    def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-        """``pixels`` ``[sum t*h*w, C*T*P*P]`` on the device, ``grid`` host ints per item."""
-        x = self.patch_embed(pixels)
+    def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]],
+                normalize: Normalize | None = None) -> torch.Tensor:
+        """``pixels`` ``[sum t*h*w, ...]`` on the device (see :class:`PatchEmbed`), ``grid``
+        host ints per item."""
+        x = self.patch_embed(pixels, normalize)
         cos, sin, runs = frame_rotary(grid, self.cfg.spatial_merge_size,
                                       self.cfg.embed_dim // self.cfg.num_heads, self.cfg.rope_theta,
                                       x.device)
@@ -315,6 +334,8 @@ class Qwen2VL(nn.Module):
         self.config = config
         self.processor_config = processor_config or ProcessorConfig()
         self.hidden_size = config.hidden_size
+        # What uint8 pixel levels stand for: transformers' rescale by 1/255, then the mean/std.
+        self.normalize = Normalize(self.processor_config.image_mean, self.processor_config.image_std)
         self.visual = VisionTower(config)
 
     @classmethod
@@ -329,9 +350,16 @@ class Qwen2VL(nn.Module):
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   min_pixels: int | None = None, max_pixels: int | None = None,
+                  pixel_dtype: str = DEFAULT_PIXEL_DTYPE, resize_mode: str = DEFAULT_RESIZE_MODE,
                   **kwargs: Any) -> dict[str, torch.Tensor]:
-        """Images and videos to ``pixel_values`` ``[Σ t·h·w, C·Tp·P·P]`` float32 and
-        ``image_grid_thw`` ``[n, 3]`` int64 (``pixel_values_videos`` / ``video_grid_thw``).
+        """Images and videos to ``pixel_values`` and ``image_grid_thw`` ``[n, 3]`` int64
+        (``pixel_values_videos`` / ``video_grid_thw``).
+
+        ``pixel_dtype="uint8"`` (the default): patches of uint8 levels, ``[Σ t·h·w, C·P·P]``
+        for images (each sent once) and ``[Σ t·h·w, C·Tp·P·P]`` for videos, whose field specs
+        carry :attr:`normalize`. ``"float32"``: transformers' normalised
+        ``[Σ t·h·w, C·Tp·P·P]``. ``resize_mode``: ``"fast"`` (the default; the pixels of
+        transformers' torchvision processor) or ``"exact"`` (those of its PIL processor).
 
         ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
         takes. ``videos``: videos as :func:`mmferry.media.as_videos` names them (files,
@@ -342,14 +370,17 @@ class Qwen2VL(nn.Module):
         Raises:
             MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
                 above 200; it names the file or ``item N``.
-            ArgumentError: audio, an option other than ``min_pixels`` / ``max_pixels``, or
-                one of those that is not an int within :func:`check_resize_bounds`.
+            ArgumentError: audio, an unknown option, ``min_pixels`` / ``max_pixels`` not an
+                int within :func:`check_resize_bounds`, or a ``pixel_dtype`` /
+                ``resize_mode`` :func:`~mmferry.media.resize.check_pixel_options` refuses.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; qwen2-vl takes "
-                                "min_pixels and max_pixels", argument=sorted(kwargs)[0])
+                                "min_pixels, max_pixels, pixel_dtype and resize_mode",
+                                argument=sorted(kwargs)[0])
         if audios is not None:
             raise ArgumentError("qwen2-vl takes images and videos, not audio", argument="audios")
+        check_pixel_options(pixel_dtype, resize_mode)
         pc = self.processor_config
         # Every option is checked before any media is read; the pair per modality in use.
         check_resize_bounds(1 if min_pixels is None else min_pixels,
@@ -368,14 +399,15 @@ class Qwen2VL(nn.Module):
         images = [load_image(x, index=i) for i, x in enumerate(images)]
         if images:
             frames = [[img] for img in images]
-            self._process(out, "image", frames, *bounds["image"])
+            self._process(out, "image", frames, *bounds["image"], pixel_dtype, resize_mode)
         videos = [load_video(v, index=i) for i, v in enumerate(videos)]
         if videos:
-            self._process(out, "video", videos, *bounds["video"])
+            self._process(out, "video", videos, *bounds["video"], pixel_dtype, resize_mode)
         return out
 
     def _process(self, out: dict[str, torch.Tensor], modality: str,
-                 media: list[list[Image.Image]], min_pixels: int, max_pixels: int) -> None:
+                 media: list[list[Image.Image]], min_pixels: int, max_pixels: int,
+                 pixel_dtype: str, resize_mode: str) -> None:
         cfg = self.config
         patch, merge, temporal = cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size
         sizes, grids = [], []
@@ -389,18 +421,25 @@ class Qwen2VL(nn.Module):
             sizes.append((h, w))
             grids.append((t, h // patch, w // patch))
         rows = [t * gh * gw for t, gh, gw in grids]
-        pixels = torch.empty((sum(rows), cfg.in_channels * temporal * patch * patch),
-                             dtype=torch.float32)
+        levels = pixel_dtype == "uint8"
+        # An image stands for `temporal` identical frames: as levels it is sent once.
+        width = cfg.in_channels * patch * patch * (1 if levels and modality == "image" else temporal)
+        pixels = torch.empty((sum(rows), width), dtype=torch.uint8 if levels else torch.float32)
         flat = pixels.numpy()
-        table = _normalise_table(tuple(self.processor_config.image_mean),
-                                 tuple(self.processor_config.image_std))
+        table = None if levels else _normalise_table(tuple(self.processor_config.image_mean),
+                                                     tuple(self.processor_config.image_std))
         start = 0
         for frames, (h, w), n in zip(media, sizes, rows, strict=True):
             if len(frames) > 1 and len(frames) % temporal:
                 frames = frames + [frames[-1]] * (temporal - len(frames) % temporal)
-            stack = np.stack([_resize(f, h, w) for f in frames])
-            _patchify_into(flat[start:start + n], stack, table, patch=patch, merge=merge,
-                           temporal=temporal)
+            stack = np.stack([resize(f, h, w, mode=resize_mode) for f in frames])
+            ordered = _patch_order(stack, patch=patch, merge=merge,
+                                   per_patch=1 if len(frames) == 1 else temporal)
+            if table is None:  # a one-frame video repeats its frame over the temporal patch
+                c, k = ordered.shape[1:]
+                flat[start:start + n].reshape(n, c, width // (c * k), k)[:] = ordered[:, :, None]
+            else:
+                _normalise_into(flat[start:start + n], ordered, table, temporal)
             start += n
         values, grid_name, _ = _FIELDS[modality]
         out[values] = pixels
@@ -421,14 +460,17 @@ class Qwen2VL(nn.Module):
             patches = torch.as_tensor(outputs[grid_name]).reshape(-1, 3).prod(-1)
             specs[grid_name] = FieldSpec.batched(modality, placement="host")
             if values in present:
-                specs[values] = FieldSpec.flat_from_sizes(modality, patches)
+                levels = torch.as_tensor(outputs[values]).dtype == torch.uint8
+                specs[values] = FieldSpec.flat_from_sizes(
+                    modality, patches, normalize=self.normalize if levels else None)
             if embeds in present:
                 specs[embeds] = FieldSpec.flat_from_sizes(modality, patches // merge2)
         return specs
 
     def check_item(self, item: Mapping[str, Any]) -> None:
         """One grid row of positive multiples of the merge size; pixels ``[t·h·w, C·Tp·P·P]``
-        floating point, or embeddings ``[t·h·w / merge², hidden]``."""
+        floating point, or uint8 levels (``[t·h·w, C·P·P]`` for an image) whose spec carries
+        :attr:`normalize`; or embeddings ``[t·h·w / merge², hidden]``."""
         modality = next((m for m, names in _FIELDS.items() if names[1] in item), None)
         if modality is None:
             raise ContractError("an item needs image_grid_thw or video_grid_thw",
@@ -447,9 +489,20 @@ class Qwen2VL(nn.Module):
                                 f"multiples of the merge size {merge}", field=grid_name)
         cfg = self.config
         width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        value = item.get(values)
+        levels = isinstance(value, torch.Tensor) and value.dtype == torch.uint8
+        if levels:
+            specs = getattr(item, "specs", {})
+            check_normalize(values, specs[values].normalize if values in specs else None,
+                            self.normalize)
+            if modality == "image":
+                width //= cfg.temporal_patch_size
+            if tuple(value.shape) != (t * h * w, width):
+                raise ContractError(f"expected uint8 [{t * h * w}, {width}] from {grid_name} "
+                                    f"{(t, h, w)}, got {describe(value)}", field=values)
         for name, rows, cols in ((values, t * h * w, width),
                                  (embeds, t * h * w // merge ** 2, self.hidden_size)):
-            if name not in item:
+            if name not in item or (name == values and levels):
                 continue
             value = item[name]
             if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
@@ -498,13 +551,18 @@ class Qwen2VL(nn.Module):
             raise ContractError(f"grid rows {grid} are not multiples of the merge size {merge}",
                                 field=grid_name)
         rows = sum(t * h * w for t, h, w in grid)
-        if pixels.ndim != 2 or pixels.shape[0] != rows:
-            raise ContractError(f"expected {rows} rows from {grid_name}, got shape "
-                                f"{list(pixels.shape)}", field=values)
+        cfg = self.config
+        width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        levels = pixels.dtype == torch.uint8
+        if levels and values == "pixel_values":
+            width //= cfg.temporal_patch_size
+        if pixels.ndim != 2 or tuple(pixels.shape) != (rows, width):
+            raise ContractError(f"expected [{rows}, {width}] from {grid_name}, got "
+                                f"{describe(pixels)}", field=values)
         if not rows:
             weight = self.visual.patch_embed.proj.weight
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        return self.visual(pixels, grid)
+        return self.visual(pixels, grid, self.normalize if levels else None)
 
     def dummy_inputs(self) -> dict[str, torch.Tensor]:
         """Processor output for two small seeded images of different sizes and two videos

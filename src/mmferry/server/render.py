@@ -12,7 +12,7 @@ with ``Retry-After`` at once rather than queueing.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +42,8 @@ class RenderConfig:
     max_request_bytes: int = 64 << 20
     limits: MediaLimits = field(default_factory=MediaLimits)
     api_keys: tuple[str, ...] = ()
+    # Processor keywords a request's processor_kwargs override (the pixel options).
+    processor_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 def wants_frames(request: Request) -> bool:
@@ -120,7 +122,8 @@ def create_app(cfg: RenderConfig) -> FastAPI:
             for modality, data in media:
                 metrics.fetch_bytes.labels(cfg.model, modality).inc(len(data))
             t = time.perf_counter()
-            result, body = await pool.run(RenderJob(media, kwargs, frames=wants_frames(request)))
+            result, body = await pool.run(RenderJob(media, {**cfg.processor_defaults, **kwargs},
+                                                    frames=wants_frames(request)))
             metrics.preprocess_latency.labels(cfg.model).observe(time.perf_counter() - t)
         except ServerError as e:
             if e.status < 500:
