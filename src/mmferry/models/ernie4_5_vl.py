@@ -331,18 +331,14 @@ class PatchEmbed(nn.Module):
         self.channels = cfg.in_channels
         self.proj = nn.Linear(cfg.in_channels * cfg.patch_size ** 2, cfg.width, bias=False)
         self.fold = PixelFold()
-        # The folded pair is also kept as (unsaved) buffers: module state, so the placement
-        # audit and `.to()` treat it as the weights it is, not as a stray host tensor.
-        self.register_buffer("folded_weight", None, persistent=False)
-        self.register_buffer("folded_bias", None, persistent=False)
 
     def forward(self, pixels: torch.Tensor, normalize: Normalize) -> torch.Tensor:
         weight = self.proj.weight
         if pixels.dtype != torch.uint8:
             return self.proj(pixels.to(weight.dtype))
-        self.folded_weight, self.folded_bias = self.fold(
-            weight.view(weight.shape[0], self.channels, -1), None, normalize, channel_dim=1)
-        return F.linear(pixels.to(weight.dtype), self.folded_weight.flatten(1), self.folded_bias)
+        folded, bias = self.fold(weight.view(weight.shape[0], self.channels, -1), None,
+                                 normalize, channel_dim=1)
+        return F.linear(pixels.to(weight.dtype), folded.flatten(1), bias)
 
 
 class VisionTransformer(nn.Module):
@@ -460,7 +456,10 @@ class Ernie45VL(nn.Module):
     :class:`mmferry.encoder.model.EncoderModel`).
 
     Build with :func:`mmferry.models.load`. Parameters live under ``vision_model.`` and
-    ``resampler_model.`` with the public checkpoint's names.
+    ``resampler_model.`` with the public checkpoint's names. ``normalize`` (a
+    :class:`~mmferry.fields.Normalize` from the processor config's mean, std and rescale
+    factor) is what uint8 pixel levels stand for: the processor's uint8 fields carry it,
+    ``check_item`` requires it, and the patch embedding folds it into its weight.
     """
 
     name = "ernie4.5-vl"
