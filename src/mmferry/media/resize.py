@@ -52,15 +52,15 @@ def check_pixel_options(pixel_dtype: Any, resize_mode: Any) -> None:
 
 
 def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: str,
-           resample: str = "bicubic", channels_first: bool = False) -> np.ndarray:
+           resample: str = "bicubic", contiguous: bool = True) -> np.ndarray:
     """``image`` (a PIL image or uint8 ``[H, W, C]`` array) resized to ``height×width`` as
     uint8 ``[height, width, C]``; the input as an array when it already has that size.
 
     ``mode`` is ``"exact"`` (Pillow's filter, transformers' PIL processors) or ``"fast"``
     (torch's antialiased uint8 filter, transformers' torchvision processors).
-    ``channels_first`` gives ``[C, height, width]`` instead: for a processor that patchifies
-    channel-major, it spares ``fast`` the copy back to ``H×W×C`` (torch's filter writes
-    channel planes); elsewhere it is a transposed view.
+    ``contiguous=False`` lets ``"fast"`` return a strided view of the kernel's channels-first
+    output instead of interleaving it (a copy that costs about half the resize), for a
+    caller whose patchify copies the pixels anyway.
     """
     if resample not in RESAMPLE_FILTERS:
         raise ArgumentError(f"resample must be one of {sorted(RESAMPLE_FILTERS)}, got {resample!r}",
@@ -70,15 +70,14 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
             image = Image.fromarray(image)
         if image.size != (width, height):
             image = image.resize((width, height), RESAMPLE_FILTERS[resample])
-        pixels = np.asarray(image)
-        return _planes(pixels) if channels_first else pixels
+        return np.asarray(image)
     if mode != "fast":
         raise ArgumentError(f"resize_mode must be one of {list(RESIZE_MODES)}, got {mode!r}",
                             argument="resize_mode")
     # np.array: a PIL image is copied out once either way, and torch wants a writable array.
     pixels = np.asarray(image) if isinstance(image, np.ndarray) else np.array(image)
     if pixels.shape[:2] == (height, width):
-        return _planes(pixels) if channels_first else pixels
+        return pixels
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     if not pixels.flags.writeable:
@@ -86,10 +85,5 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
     # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
     batch = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
     out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)
-    if channels_first:
-        return out[0].contiguous().numpy()
-    return out[0].permute(1, 2, 0).contiguous().numpy()
-
-
-def _planes(pixels: np.ndarray) -> np.ndarray:
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    hwc = out[0].permute(1, 2, 0)  # the kernel writes channels-first, whatever it is given
+    return (hwc.contiguous() if contiguous else hwc).numpy()

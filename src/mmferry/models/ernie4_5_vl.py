@@ -592,7 +592,8 @@ class Ernie45VL(nn.Module):
         rows, start = pixels.numpy(), 0
         for frames, (h, w), n in zip(media, sizes, frame_rows, strict=True):
             for frame in frames:
-                planes = resize(frame, h, w, mode=resize_mode, channels_first=True)
+                # [C, H, W]: the fast kernel's own contiguous planes, else a transposed view.
+                planes = resize(frame, h, w, mode=resize_mode, contiguous=False).transpose(2, 0, 1)
                 _patchify_into(rows[start:start + n], planes, table, patch=patch, merge=merge)
                 start += n
             if modality == "video" and len(frames) % 2:
