@@ -11,6 +11,7 @@ Both return uint8 ``[H, W, C]``; a processor keeps them as uint8 levels
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -74,16 +75,25 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
     if mode != "fast":
         raise ArgumentError(f"resize_mode must be one of {list(RESIZE_MODES)}, got {mode!r}",
                             argument="resize_mode")
-    # np.array: a PIL image is copied out once either way, and torch wants a writable array.
-    pixels = np.asarray(image) if isinstance(image, np.ndarray) else np.array(image)
+    # np.asarray copies a PIL image out once, into a read-only array (np.array would copy
+    # it twice).
+    pixels = np.asarray(image)
     if pixels.shape[:2] == (height, width):
         return pixels
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
-    if not pixels.flags.writeable:
-        pixels = pixels.copy()
     # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
-    batch = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0)
+    batch = _as_tensor(pixels).permute(2, 0, 1).unsqueeze(0)
     out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)
     hwc = out[0].permute(1, 2, 0)  # the kernel writes channels-first, whatever it is given
     return (hwc.contiguous() if contiguous else hwc).numpy()
+
+
+def _as_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """The array as a tensor sharing its memory, read-only or not: the resize only reads it,
+    so torch's warning about non-writable arrays does not apply."""
+    if pixels.flags.writeable:
+        return torch.from_numpy(pixels)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(pixels)
