@@ -409,6 +409,193 @@ def test_image_embeds_pass_through_and_bad_batches_fail(model: ov2.LlavaOnevisio
     assert e.value.field == "video_num_frames"
 
 
+# -- uint8 pixels -------------------------------------------------------------------------
+
+IMAGE_SIZES = [(100, 60), (37, 211), (140, 84), (56, 56)]
+
+
+def _media() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    images = [photo(h, w, i) for i, (h, w) in enumerate(IMAGE_SIZES)]
+    videos = [np.stack([photo(70, 100, 20 + t) for t in range(3)]),
+              np.stack([photo(56, 84, 30 + t) for t in range(6)])]
+    return images, videos
+
+
+def _normalised(levels: torch.Tensor, normalize: mf.Normalize) -> torch.Tensor:
+    """Levels ``[N, C·P·P]`` (channel-major columns) normalised with the spec's affine."""
+    a, b = normalize.affine()
+    n, c = levels.shape[0], normalize.channels
+    return (levels.double().view(n, c, -1) * a[:, None] + b[:, None]).float().view(n, -1)
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_levels_are_the_float_pixels_before_normalising(mode: str) -> None:
+    m = mf.models.load(NAME)
+    images, videos = _media()
+    levels = m.processor(images=images, videos=videos, **SMALL, resize_mode=mode)
+    floats = m.processor(images=images, videos=videos, **SMALL, resize_mode=mode,
+                         pixel_dtype="float32")
+    assert set(levels) == set(floats)
+    for name in levels:
+        if name in ("pixel_values", "pixel_values_videos"):
+            assert levels[name].dtype == torch.uint8 and floats[name].dtype == torch.float32
+            # Temporal patch 1: the same [patches, C·P·P] either way, a quarter of the bytes.
+            assert levels[name].shape == floats[name].shape
+            assert levels[name].shape[1] == 3 * 14 * 14
+            torch.testing.assert_close(_normalised(levels[name], m.normalize), floats[name],
+                                       atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(levels[name], floats[name]), name
+    assert m.normalize == mf.Normalize(ov2.CLIP_MEAN, ov2.CLIP_STD, 1 / 255)
+    specs, float_specs = m.field_specs(levels), m.field_specs(floats)
+    for name, spec in specs.items():
+        pixels = name in ("pixel_values", "pixel_values_videos")
+        assert spec.normalize == (m.normalize if pixels else None), name
+        assert float_specs[name].normalize is None, name
+    # The levels survive the item split with their normalisation.
+    items = mf.split_items(levels, specs)
+    assert all(i.specs["pixel_values"].normalize == m.normalize for i in items["image"])
+    assert all(i.specs["pixel_values_videos"].normalize == m.normalize for i in items["video"])
+
+
+def test_fast_and_exact_levels_differ_as_transformers_processors_do() -> None:
+    """The two resize modes differ only by the resampling kernel: by no more (in uint8
+    levels) than transformers' own torchvision and PIL processors differ on the same images
+    (the same kernels, so here exactly as much). Images that need no resize are equal."""
+    m = mf.models.load(NAME)
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(480, 640), (900, 300), (1000, 1300)])]
+    bounds = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256}
+    fast = m.processor(images=images, **bounds)["pixel_values"].int()
+    exact = m.processor(images=images, **bounds, resize_mode="exact")["pixel_values"].int()
+    diff = (fast - exact).abs()
+    assert 0 < diff.max() <= 20 and diff.float().mean() < 0.5
+    ref = hf_processor(**bounds)(images=images, return_tensors="pt")["pixel_values"]
+    ours = m.processor(images=images, **bounds, **PIL_PIXELS)["pixel_values"]
+    assert torch.equal(ours, ref)
+    same = [photo(56, 84, 0)]
+    assert torch.equal(m.processor(images=same)["pixel_values"],
+                       m.processor(images=same, resize_mode="exact")["pixel_values"])
+    torchvision = pytest.importorskip("torchvision")
+    assert torchvision  # installed: compare with transformers' own fast-vs-PIL difference
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    theirs = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=1,
+                                   **bounds)(images=images, return_tensors="pt")["pixel_values"]
+    levels = (theirs - ref).abs().double() * torch.tensor(ov2.CLIP_STD).repeat_interleave(196) * 255
+    assert diff.max() <= levels.max().round() and diff.float().mean() <= levels.mean() + 1e-3
+
+
+def test_fast_pixels_are_transformers_torchvision_pixels() -> None:
+    """vLLM's processor for OV2: transformers' torchvision ``Qwen2VLImageProcessor`` with OV2's
+    settings; the fast float32 pixels equal its output bit for bit."""
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    m = mf.models.load(NAME)
+    bounds = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256}
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(480, 640), (50, 700), (900, 300),
+                                                         (20, 20), (112, 56)])]
+    ref = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=1,
+                                **bounds)(images=images, return_tensors="pt")
+    ours = m.processor(images=images, **bounds, pixel_dtype="float32")
+    assert torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_uint8_embeddings_equal_the_float32_path(model: ov2.LlavaOnevision2, mode: str) -> None:
+    """Images of several sizes and videos, split and batched: the folded patch embedding on
+    uint8 levels gives the float32 path's embeddings."""
+    images, videos = _media()
+    outs = {}
+    for dtype in ("uint8", "float32"):
+        out = model.processor(images=images, videos=videos, **SMALL, resize_mode=mode,
+                              pixel_dtype=dtype)
+        batches = mf.batch_items(mf.split_items(out, model.field_specs(out)))
+        assert {b.modality for b in batches} == {"image", "video"}
+        with torch.no_grad():
+            outs[dtype] = {b.modality: model.encode(**b.data) for b in batches}
+    for modality, want in outs["float32"].items():
+        got = outs["uint8"][modality]
+        assert got.shape == want.shape and want.abs().max() > 0.1
+        assert (got - want).abs().max() < 1e-5, modality
+
+
+def test_uint8_items_through_wire_and_runner_equal_float32(model: ov2.LlavaOnevision2) -> None:
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(100, 60), (56, 84)])]
+    outs = {}
+    for dtype in ("uint8", "float32"):
+        out = model.processor(images=images, **SMALL, pixel_dtype=dtype)
+        items = mf.wire.decode(mf.wire.encode(mf.split_items(out, model.field_specs(out))))
+        with torch.no_grad():
+            outs[dtype] = mf.EncoderRunner(model).encode(items)
+    for got, want in zip(outs["uint8"], outs["float32"], strict=True):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_levels_are_refused_without_the_models_normalisation() -> None:
+    m = mf.models.load(NAME)
+    out = m.processor(images=[rgb(56, 84, 0)], videos=[np.stack([rgb(56, 56, 1)] * 2)], **SMALL)
+    items = mf.split_items(out, m.field_specs(out))
+    other = mf.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    for item, name in ((items["image"][0], "pixel_values"),
+                       (items["video"][0], "pixel_values_videos")):
+        m.check_item(item)
+        spec = mf.FieldSpec.from_dict({**item.specs[name].to_dict(),
+                                       "normalize": other.to_dict()})
+        for bad in (mf.Item(item.modality, dict(item), {**item.specs, name: spec}), dict(item)):
+            with pytest.raises(ContractError, match="normalize") as e:
+                m.check_item(bad)
+            assert e.value.field == name
+        runner = mf.EncoderRunner(m)
+        assert runner.encode([mf.Item(item.modality, dict(item), {**item.specs, name: spec})]) \
+            == [None]
+        assert runner.last.errors[0].field == name
+    # Integers other than uint8 are neither levels nor floats (an Item with a normalize
+    # refuses them itself; a plain mapping reaches the model's check).
+    image = items["image"][0]
+    with pytest.raises(ContractError, match="uint8 or floating point") as e:
+        m.check_item({**image, "pixel_values": image["pixel_values"].to(torch.int16)})
+    assert e.value.field == "pixel_values"
+    with pytest.raises(ContractError, match="uint8 levels or floating point") as e:
+        m.encode(pixel_values=out["pixel_values"].to(torch.int32),
+                 image_grid_thw=out["image_grid_thw"], patch_positions=out["patch_positions"])
+    assert e.value.field == "pixel_values"
+
+
+def test_pixel_options_are_checked_before_any_media() -> None:
+    m = mf.models.load(NAME)
+    for option, value in (("pixel_dtype", "float16"), ("resize_mode", "lanczos"),
+                          ("pixel_dtype", None)):
+        with pytest.raises(ArgumentError) as e:
+            m.processor(images=[b"not an image"], **{option: value})
+        assert e.value.argument == option
+
+
+def test_the_fold_follows_the_weight(model: ov2.LlavaOnevision2) -> None:
+    """The folded weight is kept between calls and redone when the weight changes."""
+    out = _image_batch(model, [(56, 84)], pixel_dtype="uint8")
+    floats = _image_batch(model, [(56, 84)])
+    embed = model.visual.embeddings
+    with torch.no_grad():
+        first = model.encode(**out)
+        kept = embed.folded_weight
+        model.encode(**out)
+        assert embed.folded_weight is kept
+        weight = embed.patch_embedding.weight
+        saved = weight.clone()
+        try:
+            # A uniform scale would vanish in layernorm_pre: perturb it.
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(9)) * 0.05)
+            changed = model.encode(**out)
+            assert embed.folded_weight is not kept
+            assert (changed - model.encode(**floats)).abs().max() < 1e-5
+            assert (changed - first).abs().max() > 1e-3
+        finally:
+            weight.copy_(saved)
+    assert "visual.embeddings.folded_weight" not in model.state_dict()
+
+
 # -- checkpoints and configs ---------------------------------------------------------------
 
 # The tower's names as vLLM's LlavaOnevision2VisionTower docstring lists them, under the
