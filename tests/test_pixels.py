@@ -99,6 +99,10 @@ def test_resize_modes(source: tuple[int, int], target: tuple[int, int]) -> None:
     assert np.abs(fast.astype(int) - exact.astype(int)).max() <= 3
     same = resize(image, *source, mode="fast")
     np.testing.assert_array_equal(same, np.asarray(image))
+    for mode, hwc in (("exact", exact), ("fast", fast), ("fast", same)):
+        size = hwc.shape[:2]
+        planes = resize(image, *size, mode=mode, channels_first=True)
+        np.testing.assert_array_equal(planes, hwc.transpose(2, 0, 1))
 
 
 def test_fold_equals_normalising_first() -> None:

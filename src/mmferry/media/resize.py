@@ -5,7 +5,7 @@ image processor takes.
 ``fast`` gives the pixels of its torchvision processors, which vLLM uses by default: torch's
 antialiased uint8 kernels (the ones ``torchvision.transforms.v2.functional.resize`` calls on
 a uint8 image on the CPU), run on the ``H×W×C`` array in place of a channels-first copy.
-Both return uint8 ``[H, W, C]`` (a view of channel planes); a processor keeps them as uint8 levels
+Both return uint8 ``[H, W, C]``; a processor keeps them as uint8 levels
 (``pixel_dtype="uint8"``, the default) or normalises them to float32 as transformers does.
 """
 
@@ -52,32 +52,18 @@ def check_pixel_options(pixel_dtype: Any, resize_mode: Any) -> None:
                                 argument=name)
 
 
-def _planes(image: Image.Image) -> np.ndarray:
-    """A PIL image as uint8 ``[H, W, C]``, a view of channel planes: Pillow copies each band
-    out in one pass, a third of the time of the interleaved array plus a transposition into
-    the planes that processors patchify from."""
-    bands = image.getbands()
-    if len(bands) > 1:
-        planes = np.empty((len(bands), image.height, image.width), dtype=np.uint8)
-        try:
-            for plane, band in zip(planes, bands, strict=True):
-                plane[...] = np.frombuffer(image.tobytes("raw", band),
-                                           dtype=np.uint8).reshape(plane.shape)
-            return planes.transpose(1, 2, 0)
-        except (ValueError, OSError):  # a mode Pillow has no per-band packer for
-            pass
-    return np.asarray(image)
-
-
 def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: str,
-           resample: str = "bicubic") -> np.ndarray:
+           resample: str = "bicubic", channels_first: bool = False) -> np.ndarray:
     """``image`` (a PIL image or uint8 ``[H, W, C]`` array) resized to ``height×width`` as
-    uint8 ``[height, width, C]``; the input as an array when it already has that size. The
-    array may be read-only and need not be contiguous: a resized image is a view of channel
-    planes (``[C, H, W]`` memory), the layout processors patchify from.
+    uint8 ``[height, width, C]``; the input as an array when it already has that size (it
+    may be read-only).
 
     ``mode`` is ``"exact"`` (Pillow's filter, transformers' PIL processors) or ``"fast"``
     (torch's antialiased uint8 filter, transformers' torchvision processors).
+    ``channels_first`` gives ``[C, height, width]`` instead, for a processor that patchifies
+    channel by channel: ``fast`` spares the copy back to ``H×W×C`` (torch's filter writes
+    channel planes), ``exact`` copies a PIL image's bands out one by one (a third of the time
+    of the interleaved array plus a transposition); an array is a transposed view.
     """
     if resample not in RESAMPLE_FILTERS:
         raise ArgumentError(f"resample must be one of {sorted(RESAMPLE_FILTERS)}, got {resample!r}",
@@ -85,28 +71,46 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
     if mode == "exact":
         if isinstance(image, np.ndarray):
             if image.shape[:2] == (height, width):
-                return image
+                return _channels_first(image) if channels_first else image
             image = Image.fromarray(image)
         if image.size != (width, height):
             image = image.resize((width, height), RESAMPLE_FILTERS[resample])
-        return _planes(image)
+        return _bands(image) if channels_first else np.asarray(image)
     if mode != "fast":
         raise ArgumentError(f"resize_mode must be one of {list(RESIZE_MODES)}, got {mode!r}",
                             argument="resize_mode")
     # A PIL image is copied out once (its array interface), read-only.
     pixels = np.asarray(image)
     if pixels.shape[:2] == (height, width):
-        return pixels
+        return _channels_first(pixels) if channels_first else pixels
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     with warnings.catch_warnings():
-        # torch warns that it cannot guard a read-only array; the kernel only reads it, so
-        # it is not copied a second time.
+        # torch cannot guard a read-only array and says so; the kernel only reads it, so it
+        # is not copied a second time.
         warnings.simplefilter("ignore", UserWarning)
         source = torch.from_numpy(pixels)
     # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
     batch = source.permute(2, 0, 1).unsqueeze(0)
-    out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)
-    # The kernel writes channel planes; they are returned as an [H, W, C] view, not
-    # interleaved (a processor that patchifies channel by channel wants the planes anyway).
-    return out[0].permute(1, 2, 0).numpy()
+    out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)[0]
+    # The kernel writes channel planes ([C, H, W] contiguous).
+    return out.numpy() if channels_first else out.permute(1, 2, 0).contiguous().numpy()
+
+
+def _channels_first(pixels: np.ndarray) -> np.ndarray:
+    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+
+
+def _bands(image: Image.Image) -> np.ndarray:
+    """A PIL image as uint8 ``[C, H, W]`` planes, each band copied out by Pillow in one pass."""
+    bands = image.getbands()
+    if len(bands) > 1:
+        planes = np.empty((len(bands), image.height, image.width), dtype=np.uint8)
+        try:
+            for plane, band in zip(planes, bands, strict=True):
+                plane[...] = np.frombuffer(image.tobytes("raw", band),
+                                           dtype=np.uint8).reshape(plane.shape)
+            return planes
+        except (ValueError, OSError):  # a mode without a packer per band
+            pass
+    return _channels_first(np.asarray(image))

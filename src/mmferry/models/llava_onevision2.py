@@ -197,28 +197,23 @@ def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...], rescale: f
     return table
 
 
-def patchify_into(out: np.ndarray, frame: np.ndarray, *, patch: int, merge: int) -> None:
-    """Write one uint8 ``[H, W, C]`` frame into uint8 ``out`` ``[h·w, C·P·P]``: rows in
-    merge-block order (block row, block column, row in block, column in block), columns over
-    (channel, patch row, patch column), the layout of Qwen2-VL's processors with a temporal
-    patch of 1.
+def patchify_into(out: np.ndarray, planes: np.ndarray, *, patch: int, merge: int) -> None:
+    """Write one frame's uint8 channel planes ``[C, H, W]`` into uint8 ``out``
+    ``[h·w, C·P·P]``: rows in merge-block order (block row, block column, row in block,
+    column in block), columns over (channel, patch row, patch column), the layout of
+    Qwen2-VL's processors with a temporal patch of 1.
 
-    Each patch row of one channel is ``patch`` bytes apart from nothing else in a channel
-    plane, so it moves as one opaque numpy element: a few times faster than reordering byte
-    by byte. A frame whose channels are interleaved (a Pillow image's array) is split into
-    planes first, in one pass; one that is a view of planes (``resize``'s ``fast`` output)
-    is read as it is.
+    A patch row of one channel is ``patch`` contiguous bytes in a plane and in ``out``, so it
+    moves as one opaque numpy element: a few times faster than reordering byte by byte.
     """
-    h, w, c = frame.shape
+    c, h, w = planes.shape
     gh, gw = h // patch, w // patch
-    rows = frame.transpose(0, 2, 1)  # [H, C, W]
-    if rows.strides[2] != 1:
-        rows = np.ascontiguousarray(frame.transpose(2, 0, 1)).transpose(1, 0, 2)
-    runs = rows.view(np.dtype((np.void, patch))).reshape(gh // merge, merge, patch, c,
-                                                         gw // merge, merge)
-    dst = out.view(np.dtype((np.void, patch))).reshape(gh // merge, gw // merge, merge, merge,
-                                                       c, patch)
-    np.copyto(dst, runs.transpose(0, 4, 1, 5, 3, 2))
+    if planes.strides[2] != 1:  # a view of interleaved pixels: planes first, in one pass
+        planes = np.ascontiguousarray(planes)
+    row = np.dtype((np.void, patch))
+    runs = planes.view(row).reshape(c, gh // merge, merge, patch, gw // merge, merge)
+    dst = out.view(row).reshape(gh // merge, gw // merge, merge, merge, c, patch)
+    np.copyto(dst, runs.transpose(1, 4, 2, 5, 0, 3))
 
 
 def _normalise(levels: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -608,8 +603,8 @@ class LlavaOnevision2(nn.Module):
         levels = np.empty((sum(rows), self.config.num_channels * patch * patch), dtype=np.uint8)
         start = 0
         for frame, (h, w), n in zip(frames, sizes, rows, strict=True):
-            patchify_into(levels[start:start + n], resize(frame, h, w, mode=resize_mode),
-                          patch=patch, merge=merge)
+            planes = resize(frame, h, w, mode=resize_mode, channels_first=True)
+            patchify_into(levels[start:start + n], planes, patch=patch, merge=merge)
             start += n
         if pixel_dtype == "float32":
             # Reordered as uint8 first (a quarter of the bytes), then looked up.
