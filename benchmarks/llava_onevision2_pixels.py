@@ -72,9 +72,9 @@ def main() -> None:
     for width, height in SIZES:
         image = Image.fromarray(photo_like(height, width))
         fns: dict[str, Callable[[], Any]] = {
-            f"mmferry {mode}": (lambda m=mode: model.processor(images=image, resize_mode=m))
+            f"mmferry {mode}": (lambda m=mode, i=image: model.processor(images=i, resize_mode=m))
             for mode in ("exact", "fast")}
-        fns.update({name: (lambda p=p: p(images=[image], return_tensors="pt"))
+        fns.update({name: (lambda p=p, i=image: p(images=[i], return_tensors="pt"))
                     for name, p in ref.items()})
         medians = measure(fns, args.rounds)
         line = f"{width}x{height}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in medians.items())

@@ -630,8 +630,8 @@ class LlavaOnevision2(nn.Module):
             specs["image_grid_thw"] = FieldSpec.batched("image", placement="host")
             for name in ("pixel_values", "patch_positions"):
                 if name in image_present:
-                    specs[name] = FieldSpec.flat_from_sizes("image", patches,
-                                                            normalize=self._levels(outputs, name))
+                    specs[name] = FieldSpec.flat_from_sizes(
+                        "image", patches, normalize=self._pixel_normalize(outputs, name))
             if "image_embeds" in image_present:
                 specs["image_embeds"] = FieldSpec.flat_from_sizes("image", patches // merge2)
         video_present = [k for k in _VIDEO if outputs.get(k) is not None]
@@ -650,14 +650,14 @@ class LlavaOnevision2(nn.Module):
             specs["video_grid_thw"] = FieldSpec.flat_from_sizes("video", frames, placement="host")
             for name in ("pixel_values_videos", "patch_positions_videos"):
                 if name in video_present:
-                    specs[name] = FieldSpec.flat_from_sizes("video", patches,
-                                                            normalize=self._levels(outputs, name))
+                    specs[name] = FieldSpec.flat_from_sizes(
+                        "video", patches, normalize=self._pixel_normalize(outputs, name))
             for name in _VIDEO_HOST:
                 if name in video_present:
                     specs[name] = FieldSpec.batched("video", placement="host")
         return specs
 
-    def _levels(self, outputs: Mapping[str, Any], name: str) -> Normalize | None:
+    def _pixel_normalize(self, outputs: Mapping[str, Any], name: str) -> Normalize | None:
         """The pixel fields' normalisation when they hold uint8 levels, else none."""
         if name in _PIXELS and torch.as_tensor(outputs[name]).dtype == torch.uint8:
             return self.normalize
@@ -666,10 +666,10 @@ class LlavaOnevision2(nn.Module):
     def check_item(self, item: Mapping[str, Any]) -> None:
         """One item against its own grid: positive grid rows, multiples of the merge size
         (one row per image; one per frame, as many as ``video_num_frames`` says); pixels
-        ``[patches, C·P·P]`` floating point with integer positions ``[patches, 3]``, or
-        image embeddings ``[patches / merge², hidden]``. uint8 pixels need the item's spec
-        to carry the model's :attr:`normalize` (a plain mapping has no spec: its uint8
-        pixels are refused)."""
+        ``[patches, C·P·P]``, floating point or uint8 levels, with integer positions
+        ``[patches, 3]``, or image embeddings ``[patches / merge², hidden]``. Levels need the
+        item's spec to carry the model's :attr:`normalize` (a plain mapping has no spec: its
+        levels are refused)."""
         modality = "video" if "video_grid_thw" in item else "image"
         names = _FIELDS[modality]
         unknown = set(item) - set(names)
