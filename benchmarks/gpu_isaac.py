@@ -3,9 +3,10 @@
 Images of different sizes (one size twice, so the position gather runs) go through the
 processor, the field contract, batching and ``mf.Transfer("cuda")``; then, after one
 warm-up call, ``model.encode`` runs under ``torch.cuda.set_sync_debug_mode("error")``: a host
-read of a device value or a blocking copy raises. The float32 output must equal the CPU's
-within 1e-4 and bfloat16 stay within 5% of the output scale. Without CUDA it says so and
-exits 0.
+read of a device value or a blocking copy raises. Both pixel paths run: uint8 levels (the
+default, through the folded patch embedding) and float32. Every float32-weight output must
+equal the CPU's float32-pixel output within 1e-4, and bfloat16 (uint8 levels) stay within 5%
+of the output scale. Without CUDA it says so and exits 0.
 
     python benchmarks/gpu_isaac.py
 """
@@ -51,17 +52,26 @@ def main() -> int:
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in SIZES]
     model = mf.models.load("isaac", config=CONFIG)
-    outputs = model.processor(images=images, max_num_patches=1024, min_num_patches=256)
-    (batch,) = mf.batch_items(mf.split_items(outputs, model.field_specs(outputs)))
-    cpu = _encode(model, batch, "cpu")
-    gpu = _encode(model.to("cuda"), batch, "cuda")
+    batches = {}
+    for dtype in ("uint8", "float32"):
+        outputs = model.processor(images=images, max_num_patches=1024, min_num_patches=256,
+                                  pixel_dtype=dtype)
+        (batches[dtype],) = mf.batch_items(mf.split_items(outputs, model.field_specs(outputs)))
+    cpu = _encode(model, batches["float32"], "cpu")
+    cpu_levels = _encode(model, batches["uint8"], "cpu")
+    model.to("cuda")
+    gpu = {dtype: _encode(model, batch, "cuda") for dtype, batch in batches.items()}
     half = _encode(mf.models.load("isaac", config=CONFIG, dtype=torch.bfloat16).to("cuda"),
-                   batch, "cuda")
-    err, err_half, scale = ((gpu - cpu).abs().max().item(), (half - cpu).abs().max().item(),
+                   batches["uint8"], "cuda")
+    errs = {name: (out - cpu).abs().max().item() for name, out in (
+        ("cpu uint8", cpu_levels), ("cuda uint8", gpu["uint8"]), ("cuda float32", gpu["float32"]))}
+    err, err_half, scale = (max(errs.values()), (half - cpu).abs().max().item(),
                             cpu.abs().max().item())
     print(f"grids {outputs['image_grid_thw'][:, 1:].tolist()}, {cpu.shape[0]} tokens")
     print("encode under sync-debug 'error': no sync")
-    print(f"float32 cuda vs cpu max |diff| {err:.2e}; bfloat16 {err_half:.2e}; scale {scale:.2f}")
+    print("max |diff| from cpu float32 pixels: " + ", ".join(
+        f"{name} {e:.2e}" for name, e in errs.items()) + f"; bfloat16 (uint8) {err_half:.2e}; "
+        f"scale {scale:.2f}")
     ok = err <= 1e-4 and err_half <= 0.05 * scale
     print("ok" if ok else "FAIL")
     return 0 if ok else 1

@@ -1,5 +1,9 @@
 """Isaac against vLLM 0.33 on the CPU: processor bit for bit, embeddings on the same weights.
 
+Our float32 pixels (both resize modes) must be vLLM's bit for bit; our uint8 levels (the
+default) go through the folded patch embedding, and their embeddings are compared with
+vLLM's and with our float32 path's.
+
 vLLM's own classes are instantiated: ``IsaacImageProcessor`` (resize, normalise, patchify)
 and ``IsaacVisionEmbedding`` (Siglip2 NaViT, pixel shuffle, projector), its weights loaded
 through its own ``load_weights`` (which stacks q/k/v into ``qkv_proj``) from our model's
@@ -12,7 +16,8 @@ dependency):
 
     /work/venv-vllm/bin/python benchmarks/parity_isaac.py [--json]
 
-Exits 1 when the processor differs in any bit or an embedding differs by more than 1e-4.
+Exits 1 when the processor differs in any bit, an embedding differs from vLLM's by more than
+1e-4, or the uint8 path's from the float32 path's by more than 1e-5.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import mmferry.models as models
 from mmferry.media.samples import photo_like
 
 ATOL = 1e-4
+LEVELS_ATOL = 1e-5  # uint8 levels through the folded layer against float32 pixels
 
 # Small widths, the real patch size 16, a 16×16 position grid (resized up and down), and
 # both shuffle settings (r = 2 as published; r = 1, vLLM's config default: no shuffle).
@@ -86,30 +92,45 @@ def main() -> int:
                 patch_size=patch, vision_max_num_patches=bounds["max_num_patches"],
                 vision_min_num_patches=bounds["min_num_patches"], pixel_shuffle_scale=r)
             expect = processor(pil)
-            got = ours.processor(images=pil, **bounds)
-            same_grid = torch.equal(got["image_grid_thw"], expect["image_grid_thw"])
-            same_pixels = (got["pixel_values"].dtype == expect["pixel_values"].dtype
-                           and torch.equal(got["pixel_values"], expect["pixel_values"]))
-            grid = got["image_grid_thw"]
+            got = {mode: ours.processor(images=pil, pixel_dtype="float32", resize_mode=mode,
+                                        **bounds) for mode in ("exact", "fast")}
+            levels = ours.processor(images=pil, **bounds)  # uint8, fast: the defaults
+            same_grid = all(torch.equal(g["image_grid_thw"], expect["image_grid_thw"])
+                            for g in (*got.values(), levels))
+            same_pixels = all(g["pixel_values"].dtype == expect["pixel_values"].dtype
+                              and torch.equal(g["pixel_values"], expect["pixel_values"])
+                              for g in got.values())
+            grid = got["exact"]["image_grid_thw"]
             with torch.no_grad():
                 want = ref((expect["pixel_values"],
                             expect["image_grid_thw"][:, 1:3].to(torch.int32)))
-                out = ours.encode(**got)
-            diff = (out - want).abs().max().item() if out.shape == want.shape else float("inf")
-            ok = same_grid and same_pixels and diff <= ATOL
+                out = ours.encode(**got["exact"])
+                out_levels = ours.encode(**levels)
+
+            def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+                return (a - b).abs().max().item() if a.shape == b.shape else float("inf")
+
+            diff, diff_levels = max_diff(out, want), max_diff(out_levels, want)
+            levels_vs_float = max_diff(out_levels, out)
+            ok = (same_grid and same_pixels and max(diff, diff_levels) <= ATOL
+                  and levels_vs_float <= LEVELS_ATOL)
             failed |= not ok
             results.append({
                 "config": name, "bounds": bounds, "grids": grid[:, 1:].tolist(),
                 "processor_bit_exact": same_grid and same_pixels, "tokens": out.shape[0],
-                "embedding_max_abs_diff": diff, "output_scale": want.abs().max().item(),
-                "ok": ok})
+                "embedding_max_abs_diff": diff, "uint8_embedding_max_abs_diff": diff_levels,
+                "uint8_vs_float32_max_abs_diff": levels_vs_float,
+                "output_scale": want.abs().max().item(), "ok": ok})
     if args.json:
         print(json.dumps(results, indent=1))
     else:
         for res in results:
             print(f"{res['config']} {res['bounds']}: grids {res['grids']}")
-            print(f"   processor bit-exact: {res['processor_bit_exact']}; {res['tokens']} "
-                  f"tokens; max |diff| {res['embedding_max_abs_diff']:.2e} (outputs up to "
+            print(f"   processor bit-exact (float32, exact and fast): "
+                  f"{res['processor_bit_exact']}; {res['tokens']} tokens; max |diff| from vLLM: "
+                  f"float32 {res['embedding_max_abs_diff']:.2e}, uint8 "
+                  f"{res['uint8_embedding_max_abs_diff']:.2e}; uint8 vs float32 "
+                  f"{res['uint8_vs_float32_max_abs_diff']:.2e} (outputs up to "
                   f"{res['output_scale']:.1f}) -> {'ok' if res['ok'] else 'FAIL'}")
     return 1 if failed else 0
 

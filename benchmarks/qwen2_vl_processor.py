@@ -79,7 +79,10 @@ def compare_processors(imgs: list[Image.Image], repeats: int = 15,
     """Time our processor and each peer on ``imgs`` and print images/s and our speed-up over
     each; returns median images/s by processor. Checks our output equals the PIL peer's."""
     model = mf_models.load("qwen2-vl")
-    fns = {"mmferry": lambda x: model.processor(images=x), **peers()}
+    # float32 and exact: the same pixels as the PIL peer, checked below (benchmarks/preprocess.py
+    # times the uint8 default).
+    fns = {"mmferry": lambda x: model.processor(images=x, pixel_dtype="float32", resize_mode="exact"),
+           **peers()}
     if "transformers PIL" in fns:
         ours, ref = fns["mmferry"](imgs), fns["transformers PIL"](imgs)
         assert torch.equal(ours["pixel_values"], ref["pixel_values"]), "outputs differ"

@@ -91,25 +91,36 @@ def test_target_size_is_vllms(args: tuple, expected: tuple[int, int]) -> None:
     assert target_size(h, w, patch, r, max_n, min_n) == expected
 
 
-def _reference_pixels(img: np.ndarray, size: tuple[int, int], patch: int) -> torch.Tensor:
-    # vLLM's steps: HWC uint8 -> NCHW view -> bilinear (align_corners=False, no antialias)
-    # on uint8 -> HWC -> float -> * (1/255) -> (x - 0.5) / 0.5 -> (h, P, w, P, C) patches.
-    t = torch.from_numpy(img.copy())[None].permute(0, 3, 1, 2)
-    t = F.interpolate(t, size=size, mode="bilinear", align_corners=False).permute(0, 2, 3, 1)
-    half = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float32).view(1, 1, 1, -1)
-    t = (t.float() * (1 / 255) - half) / half
+def _patchify(t: torch.Tensor, patch: int) -> torch.Tensor:
     _, height, width, c = t.shape
     t = t.reshape(height // patch, patch, width // patch, patch, c).permute(0, 2, 1, 3, 4)
     return t.reshape(-1, patch * patch * c)
 
 
+def _reference_resize(img: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+    # vLLM's resize: HWC uint8 -> NCHW view -> bilinear (align_corners=False, no antialias)
+    # on uint8 -> NHWC.
+    t = torch.from_numpy(img.copy())[None].permute(0, 3, 1, 2)
+    return F.interpolate(t, size=size, mode="bilinear", align_corners=False).permute(0, 2, 3, 1)
+
+
+def _reference_pixels(img: np.ndarray, size: tuple[int, int], patch: int) -> torch.Tensor:
+    # vLLM's steps: its resize -> float -> * (1/255) -> (x - 0.5) / 0.5 -> (h, P, w, P, C)
+    # patches.
+    half = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float32).view(1, 1, 1, -1)
+    return _patchify((_reference_resize(img, size).float() * (1 / 255) - half) / half, patch)
+
+
 SOURCES = [(120, 200), (333, 97), (20, 31), (900, 700), (64, 64), (257, 129), (128, 224)]
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("bounds", [SMALL, {}], ids=["small-bounds", "default-bounds"])
-def test_processor_matches_vllms_steps_bit_for_bit(model: IsaacModel, bounds: dict) -> None:
+def test_processor_matches_vllms_steps_bit_for_bit(model: IsaacModel, bounds: dict,
+                                                   mode: str) -> None:
+    # Isaac's reference resize is torch's, so both modes give its pixels.
     images = [_photo(h, w, i) for i, (h, w) in enumerate(SOURCES)]
-    out = model.processor(images=images, **bounds)
+    out = model.processor(images=images, pixel_dtype="float32", resize_mode=mode, **bounds)
     max_n, min_n = bounds.get("max_num_patches", 6144), bounds.get("min_num_patches", 256)
     sizes = [target_size(h, w, 16, 2, max_n, min_n) for h, w in SOURCES]
     assert out["image_grid_thw"].dtype == torch.int64
@@ -120,6 +131,28 @@ def test_processor_matches_vllms_steps_bit_for_bit(model: IsaacModel, bounds: di
     # Every grid side is a multiple of r, every count within the bounds.
     for _, gh, gw in out["image_grid_thw"].tolist():
         assert gh % 2 == 0 and gw % 2 == 0 and min_n <= gh * gw <= max_n
+    assert model.field_specs(out)["pixel_values"].normalize is None
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_uint8_levels_are_the_reference_pixels_before_normalising(model: IsaacModel,
+                                                                  mode: str) -> None:
+    images = [_photo(h, w, i) for i, (h, w) in enumerate(SOURCES)]
+    out = model.processor(images=images, resize_mode=mode, **SMALL)  # uint8 by default
+    levels = out["pixel_values"]
+    sizes = [target_size(h, w, 16, 2, 256, 64) for h, w in SOURCES]
+    assert levels.dtype == torch.uint8
+    assert levels.shape == (sum(h * w // 256 for h, w in sizes), 16 * 16 * 3)
+    assert torch.equal(levels, torch.cat([_patchify(_reference_resize(img, s), 16)
+                                          for img, s in zip(images, sizes, strict=True)]))
+    spec = model.field_specs(out)["pixel_values"]
+    assert spec.normalize == model.normalize == mf.Normalize((0.5,) * 3, (0.5,) * 3)
+    # The levels read with the spec's normalisation are the float32 output of the same mode.
+    a, b = spec.normalize.affine()  # one value per channel: the innermost column
+    normalised = (levels.view(len(levels), -1, 3).double() * a + b).float().view_as(levels)
+    floats = model.processor(images=images, pixel_dtype="float32", resize_mode=mode, **SMALL)
+    assert torch.equal(out["image_grid_thw"], floats["image_grid_thw"])
+    assert (normalised - floats["pixel_values"]).abs().max() <= 1e-6
 
 
 def test_processor_takes_every_source_kind_and_refuses_bad_input(model: IsaacModel,
@@ -139,6 +172,12 @@ def test_processor_takes_every_source_kind_and_refuses_bad_input(model: IsaacMod
     with pytest.raises(ArgumentError) as e:
         model.processor(videos=[[img]])
     assert e.value.argument == "videos"
+    # The pixel options are checked before any media is read, too.
+    for option, value in (("pixel_dtype", "float16"), ("resize_mode", "nearest"),
+                          ("pixel_dtype", None)):
+        with pytest.raises(ArgumentError) as e:
+            model.processor(images=b"never read", **{option: value})
+        assert e.value.argument == option
     # Bounds are checked before any media is read: a minimum that would blow a small image
     # up past the reference's 60-megapixel input ceiling is refused.
     for option, value in (("max_num_patches", 0), ("min_num_patches", 60_000_000 // 256 + 1),
@@ -203,13 +242,40 @@ def _reference_encode(model: IsaacModel, pixels: torch.Tensor, grid: list) -> to
 ], ids=["one", "mixed", "repeated", "equal"])
 def test_encoder_matches_the_reference(model: IsaacModel, sources: list) -> None:
     images = [_photo(h, w, i) for i, (h, w) in enumerate(sources)]
-    d = model.processor(images=images, **SMALL)
+    levels, d = _processed(model, images)
     grid = d["image_grid_thw"].tolist()
     with torch.no_grad():
-        out = model.encode(**d)
         ref = _reference_encode(model, d["pixel_values"], grid)
-    assert out.shape == (sum(h * w // 4 for _, h, w in grid), 40)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+        for out in (model.encode(**d), model.encode(**levels)):
+            assert out.shape == (sum(h * w // 4 for _, h, w in grid), 40)
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+def _processed(model: IsaacModel, images: list, **options) -> tuple[dict, dict]:
+    """The processor's uint8 output (the default) and its float32 output."""
+    return (model.processor(images=images, **SMALL, **options),
+            model.processor(images=images, pixel_dtype="float32", **SMALL, **options))
+
+
+def test_uint8_embeddings_equal_the_float32_path(model: IsaacModel) -> None:
+    # Grown, tall, shrunk, a repeated size, equal lengths: one batch of several sizes. The
+    # folded first layer changes only float32 rounding: observed 8.6e-6 on outputs ~13
+    # (the float32 path itself is 7e-6 from float64 there); a wrong fold (mean, scale,
+    # channel order) moves them by 1e-2 or more.
+    sources = [(20, 31), (333, 97), (900, 700), (120, 200), (64, 64), (120, 200), (64, 64)]
+    levels, floats = _processed(model, [_photo(h, w, i) for i, (h, w) in enumerate(sources)])
+    with torch.no_grad():
+        a, b = model.encode(**levels), model.encode(**floats)
+    assert a.shape == b.shape == (levels["image_grid_thw"].prod(-1).sum() // 4, 40)
+    assert (a - b).abs().max() <= 1e-5
+    # And through split, wire, batch and transfer: the spec's normalisation comes along.
+    items = mf.wire.decode(mf.wire.encode(mf.split_items(levels, model.field_specs(levels))))
+    (batch,) = mf.batch_items(items)
+    assert batch.specs["pixel_values"].normalize == model.normalize
+    moved = mf.Transfer("cpu").to_device(batch)
+    assert moved["pixel_values"].dtype == torch.uint8
+    with torch.no_grad():
+        assert torch.equal(model.encode(**moved), a)
 
 
 def _transformers_encode(model: IsaacModel, pixels: torch.Tensor, grid: list) -> torch.Tensor:
@@ -259,13 +325,13 @@ def _transformers_encode(model: IsaacModel, pixels: torch.Tensor, grid: list) ->
 
 def test_encoder_matches_transformers_siglip2_modules(model: IsaacModel) -> None:
     images = [_photo(h, w, i) for i, (h, w) in enumerate([(20, 31), (333, 97), (120, 200)])]
-    d = model.processor(images=images, **SMALL)
+    levels, d = _processed(model, images)
     grid = d["image_grid_thw"].tolist()
     assert len({h * w for _, h, w in grid}) == 3  # unequal lengths: padding is masked
     with torch.no_grad():
-        torch.testing.assert_close(model.encode(**d),
-                                   _transformers_encode(model, d["pixel_values"], grid),
-                                   atol=ATOL, rtol=RTOL)
+        ref = _transformers_encode(model, d["pixel_values"], grid)
+        for out in (model.encode(**d), model.encode(**levels)):
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_no_shuffle_when_r_is_one() -> None:
@@ -273,22 +339,24 @@ def test_no_shuffle_when_r_is_one() -> None:
                                                    "num_patches": 64, "hidden_size": 32}}
     m = models.load("isaac", config=config)
     assert m.state_dict()["vision_embedding.1.weight"].shape == (128, 32)
-    d = m.processor(images=[_photo(100, 60, 0), _photo(40, 90, 1)], **SMALL)
+    levels, d = _processed(m, [_photo(100, 60, 0), _photo(40, 90, 1)])
     grid = d["image_grid_thw"].tolist()
     assert any(h % 2 or w % 2 for _, h, w in grid)  # odd grids: only multiples of P needed
     with torch.no_grad():
-        torch.testing.assert_close(m.encode(**d), _reference_encode(m, d["pixel_values"], grid),
-                                   atol=ATOL, rtol=RTOL)
+        ref = _reference_encode(m, d["pixel_values"], grid)
+        for out in (m.encode(**d), m.encode(**levels)):
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
 
 def test_bfloat16_stays_close_to_float32(model: IsaacModel) -> None:
-    d = model.processor(images=[_photo(120, 200, 0), _photo(64, 64, 1)], **SMALL)
+    levels, d = _processed(model, [_photo(120, 200, 0), _photo(64, 64, 1)])
     half = models.load("isaac", config=CONFIG, dtype=torch.bfloat16)
     half.load_state_dict(model.state_dict())
     with torch.no_grad():
-        full, low = model.encode(**d), half.encode(**d)
-    assert low.dtype == torch.bfloat16
-    assert (low.float() - full).abs().max() < 0.05 * full.abs().max()
+        full = model.encode(**d)
+        for low in (half.encode(**d), half.encode(**levels)):  # levels: folded in bfloat16
+            assert low.dtype == torch.bfloat16
+            assert (low.float() - full).abs().max() < 0.05 * full.abs().max()
 
 
 def test_tokens_specs_and_check_item(model: IsaacModel) -> None:
@@ -321,6 +389,30 @@ def test_tokens_specs_and_check_item(model: IsaacModel) -> None:
     with pytest.raises(ContractError) as e:
         model.encode(pixel_values=d["pixel_values"])
     assert e.value.field == "image_grid_thw"
+
+
+def test_uint8_pixels_need_the_models_normalisation(model: IsaacModel) -> None:
+    levels, floats = _processed(model, [_photo(120, 200, 0)])
+    specs = model.field_specs(levels)
+    model.check_item(mf.split_items(levels, specs)["image"][0])
+    model.check_item(mf.split_items(floats, model.field_specs(floats))["image"][0])
+    assert model.field_specs(floats)["pixel_values"].normalize is None
+    n = len(levels["pixel_values"])
+    clip = mf.Normalize((0.48145466, 0.4578275, 0.40821073),
+                        (0.26862954, 0.26130258, 0.27577711))
+    for normalize in (clip, mf.Normalize((0.5,) * 3, (0.5,) * 3, scale=1 / 256), None):
+        wrong = mf.split_items(levels, {**specs, "pixel_values": mf.FieldSpec.flat_from_sizes(
+            "image", [n], normalize=normalize)})["image"][0]
+        with pytest.raises(ContractError) as e:
+            model.check_item(wrong)
+        assert e.value.field == "pixel_values"
+        runner = mf.EncoderRunner(model)
+        assert runner.encode([wrong]) == [None]
+        assert runner.last.errors[0].field == "pixel_values"
+    # A plain mapping has no spec, so its levels have no normalisation either.
+    with pytest.raises(ContractError) as e:
+        model.check_item(dict(mf.split_items(levels, specs)["image"][0]))
+    assert e.value.field == "pixel_values"
 
 
 # -- checkpoints -------------------------------------------------------------------------
@@ -481,4 +573,4 @@ def test_pixels_on_the_host_meet_the_patch_embedding() -> None:
     named = [f for f in report.findings if "pixel_values" in f.fields]
     assert named and {f.kind for f in named} == {"device_mismatch"}
     assert {f.location.rsplit("/", 1)[-1] for f in named} == {
-        _line_of("x = self.embeddings.patch_embedding(pixels")}
+        _line_of("return F.linear(pixels.to(weight.dtype)")}

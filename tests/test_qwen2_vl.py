@@ -421,3 +421,15 @@ def test_pixel_options_are_checked_before_any_media() -> None:
     with pytest.raises(mf.ArgumentError) as e:
         model.processor(images=[b"not an image"], resize_mode="lanczos")
     assert e.value.argument == "resize_mode"
+
+
+def test_the_folded_weights_audit_clean_after_use_and_again() -> None:
+    # The folded patch embedding is derived once and kept: as a buffer of the model it lives
+    # on the device like its parameters, whether it was made before an audit or in one.
+    model = models.load("qwen2-vl")
+    d = model.dummy_inputs()
+    model.encode(pixel_values=d["pixel_values"], image_grid_thw=d["image_grid_thw"])
+    for _ in range(2):
+        reports = mf.audit.audit_model(model)
+        assert all(r.ok and not r.findings for r in reports.values()), reports
+    assert not any("fold" in k for k in model.state_dict())

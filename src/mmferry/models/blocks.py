@@ -161,23 +161,28 @@ class RotaryBlock(nn.Module):
 # -- uint8 pixels ------------------------------------------------------------------------
 
 
-class PixelFold:
+class PixelFold(nn.Module):
     """A first layer's weight and bias with a :class:`~mmferry.fields.Normalize` folded in,
     so the layer takes uint8 pixel levels (cast to its dtype) with no normalising pass:
     ``W·((x·scale − mean) / std) + b == (W·a)·x + (b + W·c)`` per channel.
 
     Folded once in float64 and kept until the weight changes (a checkpoint load, ``.to()``,
     an in-place edit: each changes its storage or version), so it costs nothing per call.
+    The folded tensors are non-persistent buffers: derived from the checkpoint, never saved,
+    and on the device with the model's other buffers (which is also how the audit sees them).
     """
 
-    __slots__ = ("_key", "_value")
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
 
     def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", None, persistent=False)
+        self.register_buffer("bias", None, persistent=False)
         self._key: tuple[Any, ...] | None = None
-        self._value: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None, normalize: Normalize,
-                 channel_dim: int, sum_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, weight: torch.Tensor, bias: torch.Tensor | None, normalize: Normalize,
+                channel_dim: int, sum_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``weight`` ``[out, ...]`` whose dimension ``channel_dim`` is the input channel (a
         conv weight ``[out, C, ...]`` has it at 1; view a linear weight so one dimension is);
         returns the folded weight and a bias ``[out]``. ``sum_dims`` are weight dimensions the
@@ -186,7 +191,7 @@ class PixelFold:
         key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype, weight.device,
                None if bias is None else (bias.data_ptr(), bias._version), normalize, channel_dim,
                sum_dims)
-        if key != self._key or self._value is None:
+        if key != self._key or self.weight is None or self.bias is None:
             if weight.shape[channel_dim] != normalize.channels:
                 raise ContractError(f"the first layer has {weight.shape[channel_dim]} input "
                                     f"channels, the normalisation {normalize.channels}")
@@ -202,9 +207,9 @@ class PixelFold:
                 shift = (w64 * c.view(shape)).flatten(1).sum(1)
                 if bias is not None:
                     shift = shift + bias.double()
-                self._value = (folded.to(weight.dtype), shift.to(weight.dtype))
+                self.weight, self.bias = folded.to(weight.dtype), shift.to(weight.dtype)
             self._key = key
-        return self._value
+        return self.weight, self.bias
 
 
 def check_normalize(name: str, spec_normalize: Normalize | None, expected: Normalize) -> None:

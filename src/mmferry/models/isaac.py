@@ -3,13 +3,20 @@
 The processor matches vLLM 0.33's ``IsaacImageProcessor``: each image is resized with
 bilinear interpolation on its uint8 pixels to sides that are multiples of ``patch ·
 pixel_shuffle_scale``, its patch count kept within ``[min_num_patches, max_num_patches]`` by
-the reference's binary search on the scale; rescaled to ``[-1, 1]``; cut into
-``patch × patch`` patches flattened as (row, column, channel). ``image_grid_thw`` is
-``(1, h, w)`` in patches.
+the reference's binary search on the scale; cut into ``patch × patch`` patches flattened as
+(row, column, channel); shipped as those uint8 levels with the normalisation (rescale to
+``[-1, 1]``) on the field spec, or normalised to float32 as the reference does.
+``image_grid_thw`` is ``(1, h, w)`` in patches.
 
-The encoder is a Siglip2 NaViT: a Linear patch embedding plus a learned square position grid,
-bilinearly interpolated (with antialias) to each image's ``(h, w)``; pre-norm blocks attending
-within each image; a post-LayerNorm; a pixel shuffle that concatenates each ``r × r``
+Both resize modes give the reference's pixels: Isaac has no Pillow processor anywhere (vLLM's
+and transformers' are torch only) and its filter, torch's bilinear without antialias on the
+uint8 pixels, is already the fast kernel, so there is nothing slower to be exact to and
+nothing faster that keeps the pixels.
+
+The encoder is a Siglip2 NaViT: a Linear patch embedding (uint8 levels go through its
+weights with the normalisation folded in) plus a learned square position grid, bilinearly
+interpolated (with antialias) to each image's ``(h, w)``; pre-norm blocks attending within
+each image; a post-LayerNorm; a pixel shuffle that concatenates each ``r × r``
 neighbourhood; and a Linear -> SiLU -> Linear projector to the language model's width.
 Parameters keep the published checkpoint's names under ``model.vision_embedding.``
 (``0`` the vision transformer, ``1`` and ``3`` the projector).
@@ -38,10 +45,11 @@ from PIL import Image
 from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError, MediaError
-from mmferry.fields import FieldSpec
+from mmferry.fields import FieldSpec, Normalize
 from mmferry.media import load_image, source_name
 from mmferry.media.arguments import as_images
-from mmferry.models.blocks import describe
+from mmferry.media.resize import DEFAULT_PIXEL_DTYPE, DEFAULT_RESIZE_MODE, check_pixel_options
+from mmferry.models.blocks import PixelFold, check_normalize, describe
 from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import host_and_device, upload
 
@@ -50,6 +58,9 @@ __all__ = ["TINY", "IsaacModel", "ProcessorConfig", "VisionConfig", "check_patch
 
 # The reference refuses images above 60 megapixels before resizing.
 MAX_PIXELS = 60_000_000
+# The reference's rescale and normalisation (vLLM's constants; transformers' Isaac has the
+# same, IMAGENET_STANDARD): levels to [-1, 1].
+MEAN = STD = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,33 +206,43 @@ def target_size(height: int, width: int, patch: int, scale: int, max_num_patches
 
 @lru_cache(maxsize=1)
 def _normalise_table() -> np.ndarray:
-    """float32 ``[256]``: each uint8 value rescaled by 1/255 and normalised by mean = std =
-    0.5, with the reference's float32 torch arithmetic, so a lookup gives its values bit for
-    bit."""
-    half = torch.tensor(0.5, dtype=torch.float32)
-    table = ((torch.arange(256, dtype=torch.float32) * (1 / 255) - half) / half).numpy()
+    """float32 ``[256]``: each uint8 value rescaled by 1/255 and normalised by :data:`MEAN`
+    and :data:`STD`, with the reference's float32 torch arithmetic, so a lookup gives its
+    values bit for bit."""
+    mean, std = torch.tensor(MEAN, dtype=torch.float32), torch.tensor(STD, dtype=torch.float32)
+    table = ((torch.arange(256, dtype=torch.float32) * (1 / 255) - mean) / std).numpy()
     table.setflags(write=False)
     return table
 
 
 def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
     """uint8 ``[height, width, C]``: the reference's resize, torch's bilinear interpolation
-    (no antialias) run on the uint8 channels-last pixels, which rounds back to uint8."""
+    (no antialias) run on the uint8 channels-last pixels, which rounds back to uint8. Both
+    resize modes use it (see the module docstring)."""
+    if img.size == (width, height):
+        return np.asarray(img)  # read only: the patchify copies it
     pixels = torch.from_numpy(np.array(img, dtype=np.uint8))  # a writable copy
-    if pixels.shape[:2] != (height, width):
-        pixels = F.interpolate(pixels[None].permute(0, 3, 1, 2), size=(height, width),
-                               mode="bilinear", align_corners=False)[0].permute(1, 2, 0)
-    return pixels.numpy()
+    return F.interpolate(pixels[None].permute(0, 3, 1, 2), size=(height, width),
+                         mode="bilinear", align_corners=False)[0].permute(1, 2, 0).numpy()
+
+
+def _patches(pixels: np.ndarray, patch: int) -> np.ndarray:
+    """A view of ``pixels`` (``[H, W, C]``) as ``[h, w, P, P·C]`` patches: rows of the output
+    run over patches in raster order, columns over (row in patch, column in patch, channel)."""
+    height, width, c = pixels.shape
+    h, w = height // patch, width // patch
+    return pixels.reshape(h, patch, w, patch * c).transpose(0, 2, 1, 3)
 
 
 def _patchify_into(out: np.ndarray, pixels: np.ndarray, patch: int) -> None:
-    """Write ``pixels`` (uint8 ``[H, W, C]``) into ``out`` (float32 ``[h·w, P·P·C]``): rows
-    run over patches in raster order, columns over (row in patch, column in patch, channel).
-    The uint8 pixels are reordered first (a quarter of the float bytes), then looked up."""
-    height, width, c = pixels.shape
-    h, w = height // patch, width // patch
-    ordered = pixels.reshape(h, patch, w, patch, c).transpose(0, 2, 1, 3, 4)
-    np.take(_normalise_table(), ordered.reshape(h * w, patch * patch * c), out=out, mode="clip")
+    """Write ``pixels`` (uint8 ``[H, W, C]``) into ``out`` (``[h·w, P·P·C]``): as uint8 levels
+    when ``out`` is uint8, else normalised to float32 by a table lookup on the reordered
+    uint8 pixels (reordered first: a quarter of the float bytes)."""
+    ordered = _patches(pixels, patch)
+    if out.dtype == np.uint8:
+        out.reshape(ordered.shape)[...] = ordered
+    else:
+        np.take(_normalise_table(), ordered.reshape(out.shape), out=out, mode="clip")
 
 
 # -- encoder -----------------------------------------------------------------------------
@@ -302,6 +323,22 @@ class Embeddings(nn.Module):
         super().__init__()
         self.patch_embedding = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, cfg.hidden_size)
         self.position_embedding = nn.Embedding(cfg.num_patches, cfg.hidden_size)
+        self.normalize = Normalize((MEAN,) * cfg.num_channels, (STD,) * cfg.num_channels)
+        self._fold = PixelFold()
+
+    def embed_patches(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The patch embedding of ``[n, P·P·C]`` pixels: floating point ones through the
+        checkpoint's weights, uint8 levels (cast to the weights' dtype, exact for 0..255 in
+        any float dtype) through the weights with :attr:`normalize` folded in, so no
+        normalising pass runs. Columns are (row, column, channel): channel innermost."""
+        linear = self.patch_embedding
+        weight = linear.weight
+        if pixels.dtype != torch.uint8:
+            return linear(pixels.to(weight.dtype))
+        c = self.normalize.channels
+        folded, bias = self._fold(weight.view(weight.shape[0], -1, c), linear.bias,
+                                  self.normalize, channel_dim=2)
+        return F.linear(pixels.to(weight.dtype), folded.view_as(weight), bias)
 
     def position_tables(self, shapes: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The position grid resized to each of ``shapes`` (bilinear, antialiased, as the
@@ -342,8 +379,7 @@ class VisionTransformer(nn.Module):
         if host:
             flat = upload(torch.from_numpy(np.concatenate(list(host.values()))), pixels.device)
             index = dict(zip(host, flat.split([len(v) for v in host.values()]), strict=True))
-        weight = self.embeddings.patch_embedding.weight
-        x = self.embeddings.patch_embedding(pixels.to(weight.dtype))
+        x = self.embeddings.embed_patches(pixels)
         positions = self.embeddings.position_tables(shapes)
         if "positions" in index:
             positions = positions.index_select(0, index["positions"])
@@ -444,6 +480,13 @@ class IsaacModel(nn.Module):
         self.hidden_size = config.text_hidden_size
         self.vision_embedding = VisionEmbedding(config)
 
+    @property
+    def normalize(self) -> Normalize:
+        """What the processor's uint8 levels stand for (the reference's rescale and
+        normalisation), declared on the pixel field's spec and folded into the patch
+        embedding."""
+        return self.vision_embedding[0].embeddings.normalize
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None,
                     folder: Path | None = None) -> IsaacModel:
@@ -458,26 +501,34 @@ class IsaacModel(nn.Module):
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   max_num_patches: int | None = None, min_num_patches: int | None = None,
+                  pixel_dtype: str = DEFAULT_PIXEL_DTYPE, resize_mode: str = DEFAULT_RESIZE_MODE,
                   **kwargs: Any) -> dict[str, torch.Tensor]:
-        """Images to ``pixel_values`` ``[Σ h·w, P·P·C]`` float32 and ``image_grid_thw``
-        ``[n, 3]`` int64 rows ``(1, h, w)`` in patches.
+        """Images to ``pixel_values`` ``[Σ h·w, P·P·C]`` and ``image_grid_thw`` ``[n, 3]``
+        int64 rows ``(1, h, w)`` in patches.
 
         ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
         takes. ``max_num_patches`` / ``min_num_patches`` override the resize bounds (the
-        reference's per-call options). No images: an empty output.
+        reference's per-call options). ``pixel_dtype="uint8"`` (the default) gives the resized
+        pixels' levels, not normalised (:meth:`field_specs` puts :attr:`normalize` on them);
+        ``"float32"`` normalises them as the reference does. ``resize_mode`` is ``"fast"`` or
+        ``"exact"``; both give the reference's pixels (see the module docstring). No images:
+        an empty output.
 
         Raises:
             MediaError: a source cannot be decoded or has more than 60 megapixels; it names
                 the file or ``item N``.
-            ArgumentError: videos or audio, another option, or a bound outside
+            ArgumentError: videos or audio, another option, a pixel option outside
+                :func:`mmferry.media.resize.check_pixel_options`, or a bound outside
                 :func:`check_patch_bounds`.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; isaac takes "
-                                "max_num_patches and min_num_patches", argument=sorted(kwargs)[0])
+                                "max_num_patches, min_num_patches, pixel_dtype and resize_mode",
+                                argument=sorted(kwargs)[0])
         for name, value in (("videos", videos), ("audios", audios)):
             if value is not None:
                 raise ArgumentError("isaac takes images only", argument=name)
+        check_pixel_options(pixel_dtype, resize_mode)
         pc = self.processor_config
         max_n = pc.max_num_patches if max_num_patches is None else max_num_patches
         min_n = pc.min_num_patches if min_num_patches is None else min_num_patches
@@ -490,7 +541,8 @@ class IsaacModel(nn.Module):
         patch, r = cfg.patch_size, cfg.pixel_shuffle_scale_factor
         sizes = [target_size(img.height, img.width, patch, r, max_n, min_n) for img in loaded]
         rows = [(h // patch) * (w // patch) for h, w in sizes]
-        pixels = torch.empty((sum(rows), cfg.num_channels * patch * patch), dtype=torch.float32)
+        dtype = torch.uint8 if pixel_dtype == "uint8" else torch.float32
+        pixels = torch.empty((sum(rows), cfg.num_channels * patch * patch), dtype=dtype)
         flat, start = pixels.numpy(), 0
         for i, (img, (h, w), n) in enumerate(zip(loaded, sizes, rows, strict=True)):
             resized = _resize(img, h, w)
@@ -503,8 +555,9 @@ class IsaacModel(nn.Module):
         return {_PIXELS: pixels, _GRID: grid}
 
     def field_specs(self, outputs: Mapping[str, Any]) -> dict[str, FieldSpec]:
-        """Pixels split by the grid (``h·w`` rows per image); the grid per image, on the host
-        (the encoder reads it only there). Names exactly the fields present."""
+        """Pixels split by the grid (``h·w`` rows per image), with :attr:`normalize` when they
+        are uint8 levels; the grid per image, on the host (the encoder reads it only there).
+        Names exactly the fields present."""
         if outputs.get(_GRID) is None:
             if outputs.get(_PIXELS) is not None:
                 raise ContractError(f"{_GRID} is needed to split it", field=_PIXELS)
@@ -512,7 +565,9 @@ class IsaacModel(nn.Module):
         specs = {_GRID: FieldSpec.batched("image", placement="host")}
         if outputs.get(_PIXELS) is not None:
             patches = torch.as_tensor(outputs[_GRID]).reshape(-1, 3).prod(-1)
-            specs[_PIXELS] = FieldSpec.flat_from_sizes("image", patches)
+            levels = getattr(outputs[_PIXELS], "dtype", None) == torch.uint8
+            specs[_PIXELS] = FieldSpec.flat_from_sizes(
+                "image", patches, normalize=self.normalize if levels else None)
         return specs
 
     def _check_grid(self, grid: list[tuple[int, int, int]]) -> None:
@@ -524,7 +579,8 @@ class IsaacModel(nn.Module):
 
     def check_item(self, item: Mapping[str, Any]) -> None:
         """One ``(1, h, w)`` grid row with ``h, w`` multiples of the shuffle scale; pixels
-        ``[h·w, C·P·P]`` floating point."""
+        ``[h·w, C·P·P]`` floating point, or uint8 levels whose spec (``item.specs``, an
+        :class:`mmferry.Item`'s) carries :attr:`normalize`."""
         unknown = set(item) - {_PIXELS, _GRID}
         if unknown:
             raise ContractError("not an isaac field", field=sorted(unknown)[0])
@@ -537,10 +593,15 @@ class IsaacModel(nn.Module):
         cfg = self.config
         rows, cols = h * w, cfg.num_channels * cfg.patch_size ** 2
         value = item.get(_PIXELS)
-        if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+        if (not isinstance(value, torch.Tensor)
+                or not (value.is_floating_point() or value.dtype == torch.uint8)
                 or tuple(value.shape) != (rows, cols)):
-            raise ContractError(f"expected floating point [{rows}, {cols}] from {_GRID} "
-                                f"{(t, h, w)}, got {describe(value)}", field=_PIXELS)
+            raise ContractError(f"expected uint8 or floating point [{rows}, {cols}] from "
+                                f"{_GRID} {(t, h, w)}, got {describe(value)}", field=_PIXELS)
+        if value.dtype == torch.uint8:
+            # A plain mapping has no specs: its levels have no declared normalisation.
+            spec = getattr(item, "specs", {}).get(_PIXELS)
+            check_normalize(_PIXELS, getattr(spec, "normalize", None), self.normalize)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """``t·h·w / r²`` from the item's host grid."""
@@ -551,7 +612,9 @@ class IsaacModel(nn.Module):
 
     def encode(self, **batch: Any) -> torch.Tensor:
         """One image batch (``pixel_values`` on the device, ``image_grid_thw`` on the host) to
-        ``[Σ h·w / r², hidden_size]``."""
+        ``[Σ h·w / r², hidden_size]``. uint8 pixels are levels of :attr:`normalize` (which
+        ``check_item`` has held each item's spec to) and meet the folded patch embedding;
+        floating point ones are already normalised."""
         unknown = set(batch) - {_PIXELS, _GRID}
         if unknown:
             raise ContractError("not an isaac field", field=sorted(unknown)[0])

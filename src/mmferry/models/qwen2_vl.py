@@ -237,7 +237,7 @@ class PatchEmbed(nn.Module):
         # Kernel == stride, so the Conv3d is a Linear over the flattened (C, T, P, P) patch;
         # it is kept as a Conv3d for the checkpoint's parameter name and shape.
         self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, stride=kernel, bias=False)
-        self.fold = {"image": PixelFold(), "video": PixelFold()}
+        self.fold = nn.ModuleDict({"image": PixelFold(), "video": PixelFold()})
 
     def forward(self, pixels: torch.Tensor, normalize: Normalize | None = None) -> torch.Tensor:
         """Float pixels ``[N, C·Tp·P·P]`` as transformers gives them, or uint8 levels with the
