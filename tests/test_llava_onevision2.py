@@ -579,21 +579,21 @@ def test_the_fold_follows_the_weight(model: ov2.LlavaOnevision2) -> None:
     embed = model.visual.embeddings
     with torch.no_grad():
         first = model.encode(**out)
-        kept = embed.folded_weight
+        kept = embed.fold.weight
         model.encode(**out)
-        assert embed.folded_weight is kept
+        assert embed.fold.weight is kept
         weight = embed.patch_embedding.weight
         saved = weight.clone()
         try:
             # A uniform scale would vanish in layernorm_pre: perturb it.
             weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(9)) * 0.05)
             changed = model.encode(**out)
-            assert embed.folded_weight is not kept
+            assert embed.fold.weight is not kept
             assert (changed - model.encode(**floats)).abs().max() < 1e-5
             assert (changed - first).abs().max() > 1e-3
         finally:
             weight.copy_(saved)
-    assert "visual.embeddings.folded_weight" not in model.state_dict()
+    assert not any("fold" in name for name in model.state_dict())
 
 
 # -- checkpoints and configs ---------------------------------------------------------------

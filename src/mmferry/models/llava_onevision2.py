@@ -371,20 +371,14 @@ class Embeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, p, stride=p,
                                          bias=False)
         self.fold = PixelFold()
-        # The folded weight and bias are module state beside the weight (not checkpoint
-        # tensors), so whatever walks the module's tensors (.to(), the placement audit)
-        # sees them; PixelFold keeps them until the weight changes.
-        self.register_buffer("folded_weight", None, persistent=False)
-        self.register_buffer("folded_bias", None, persistent=False)
 
     def forward(self, pixels: torch.Tensor, normalize: Normalize) -> torch.Tensor:
         """uint8 levels go through the weight with ``normalize`` folded in (a bias appears:
         level 0 is not input 0); floating pixels, already normalised, through the weight."""
         weight = self.patch_embedding.weight
         if pixels.dtype == torch.uint8:
-            self.folded_weight, self.folded_bias = self.fold(weight, None, normalize, 1)
-            return F.linear(pixels.to(weight.dtype), self.folded_weight.view(weight.shape[0], -1),
-                            self.folded_bias)
+            folded, bias = self.fold(weight, None, normalize, 1)
+            return F.linear(pixels.to(weight.dtype), folded.view(weight.shape[0], -1), bias)
         return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
 
 
