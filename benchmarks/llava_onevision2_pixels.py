@@ -8,8 +8,10 @@ temporal patch 1, CLIP mean/std, the class's resize bounds):
 * ``Qwen2VLImageProcessor`` (needs torchvision): those of ``resize_mode="fast"``.
 
 One photo-like image per call, 1 torch thread, runs interleaved in rotating order, CPU-time
-medians. Prints each mode's time as a ratio of its peer's (target <= 0.5) and the pixel
-differences fast vs exact (uint8 levels) next to transformers' own torchvision vs PIL ones.
+medians. Prints each mode's time as a ratio of its peer's (target <= 0.5): the median of the
+per-round ratios (each mode and its peer timed in the same round, so load that drifts over the
+run cancels out) and the ratio of the medians; then the pixel differences fast vs exact (uint8
+levels) next to transformers' own torchvision vs PIL ones.
 
     python benchmarks/llava_onevision2_pixels.py [--rounds 21]
 """
@@ -48,8 +50,8 @@ def peers() -> dict[str, Any]:
     return out
 
 
-def measure(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """CPU-time median seconds per call, interleaved in rotating order after a warm-up."""
+def measure(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """CPU seconds of every call by round, interleaved in rotating order after a warm-up."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for name in names:
@@ -59,7 +61,7 @@ def measure(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
             start = time.process_time()
             fns[name]()
             times[name].append(time.process_time() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def main() -> None:
@@ -76,14 +78,17 @@ def main() -> None:
             for mode in ("exact", "fast")}
         fns.update({name: (lambda p=p, i=image: p(images=[i], return_tensors="pt"))
                     for name, p in ref.items()})
-        medians = measure(fns, args.rounds)
-        line = f"{width}x{height}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in medians.items())
-        print(line)
-        print(f"  exact / PIL = {medians['mmferry exact'] / medians['transformers PIL']:.2f}x", end="")
-        if "transformers torchvision" in medians:
-            print(f", fast / torchvision = "
-                  f"{medians['mmferry fast'] / medians['transformers torchvision']:.2f}x", end="")
-        print()
+        times = measure(fns, args.rounds)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{width}x{height}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in medians.items()))
+        pairs = [("exact", "mmferry exact", "transformers PIL"),
+                 ("fast", "mmferry fast", "transformers torchvision")]
+        for label, ours, peer in pairs:
+            if peer in times:
+                paired = statistics.median(a / b for a, b in zip(times[ours], times[peer],
+                                                                  strict=True))
+                print(f"  {label} / {peer.split()[1]}: {paired:.2f}x (median of per-round "
+                      f"ratios), {medians[ours] / medians[peer]:.2f}x (ratio of medians)")
         exact = model.processor(images=image, resize_mode="exact")["pixel_values"].int()
         fast = model.processor(images=image, resize_mode="fast")["pixel_values"].int()
         diff = (fast - exact).abs().float()
