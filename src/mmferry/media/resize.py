@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from mmferry.errors import ArgumentError
@@ -37,6 +36,9 @@ PIXEL_DTYPES = ("uint8", "float32")
 DEFAULT_RESIZE_MODE = "fast"
 DEFAULT_PIXEL_DTYPE = "uint8"
 RESAMPLE_FILTERS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+# The antialiased kernels F.interpolate(..., antialias=True) runs, called with an output buffer.
+_AA_KERNELS = {"bicubic": torch.ops.aten._upsample_bicubic2d_aa,
+               "bilinear": torch.ops.aten._upsample_bilinear2d_aa}
 
 
 def check_pixel_options(pixel_dtype: Any, resize_mode: Any) -> None:
@@ -92,9 +94,14 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
         source = torch.from_numpy(pixels)
     # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
     batch = source.permute(2, 0, 1).unsqueeze(0)
-    out = F.interpolate(batch, size=(height, width), mode=resample, antialias=True)[0]
-    # The kernel writes channel planes ([C, H, W] contiguous).
-    return out.numpy() if channels_first else out.permute(1, 2, 0).contiguous().numpy()
+    # F.interpolate's kernel, into a channels-last buffer: F.interpolate itself converts the
+    # result to channels-first, a pass as long as half the filter; numpy's transposition into
+    # planes costs half of that.
+    out = torch.empty((1, batch.shape[1], height, width), dtype=torch.uint8,
+                      memory_format=torch.channels_last)
+    _AA_KERNELS[resample].out(batch, [height, width], False, None, None, out=out)
+    pixels = out[0].permute(1, 2, 0).numpy()
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1)) if channels_first else pixels
 
 
 def _channels_first(pixels: np.ndarray) -> np.ndarray:
