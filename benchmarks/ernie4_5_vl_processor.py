@@ -2,7 +2,9 @@
 
 Images against ``Ernie4_5_VLMoeImageProcessorPil``; videos against
 ``Ernie4_5_VLMoeVideoProcessor`` without and with timestamps drawn on the frames, which needs
-torchvision: without it the video rows say so. For each set: outputs compared bit for bit, then both timed
+torchvision: without it the video rows say so. mmferry runs in its float32 mode (transformers'
+values: ``exact`` resizing for images, ``fast`` for videos; ``benchmarks/ernie4_5_vl_pixels.py``
+times the uint8 default). For each set: outputs compared bit for bit, then both timed
 interleaved in rotating order, median over rounds.
 
     python3 benchmarks/ernie4_5_vl_processor.py [--rounds 7] [--threads 1]
@@ -30,6 +32,8 @@ IMAGES = {
     "8 mixed images": [(448, 448), (640, 480), (375, 500), (1024, 768), (224, 336), (720, 1280),
                        (500, 500), (300, 900)],
 }
+EXACT = {"pixel_dtype": "float32", "resize_mode": "exact"}
+FAST = {"pixel_dtype": "float32", "resize_mode": "fast"}
 VIDEOS = {
     "2 clips 16+9 frames": [(16, 360, 640), (9, 240, 320)],
     "1 clip 200 frames": [(200, 120, 160)],
@@ -73,7 +77,7 @@ def main() -> None:
     pil = Ernie4_5_VLMoeImageProcessorPil()
     for label, sizes in IMAGES.items():
         imgs = [samples.photo_like(h, w, seed=i) for i, (h, w) in enumerate(sizes)]
-        fns = {"mmferry": lambda x=imgs: model.processor(images=x),
+        fns = {"mmferry": lambda x=imgs: model.processor(images=x, **EXACT),
                "transformers": lambda x=imgs: pil(images=x, return_tensors="pt")}
         _row(label, "pixel_values", fns["mmferry"](), fns["transformers"](), "image_grid_thw",
              _median_seconds(fns, args.rounds))
@@ -101,7 +105,7 @@ def main() -> None:
                  for i, (t, h, w) in enumerate(shapes)]
         for name, ours, theirs in ((label, model, video),
                                    (f"{label}, timestamps", model_drawing, drawing)):
-            fns = {"mmferry": lambda x=clips, m=ours: m.processor(videos=x),
+            fns = {"mmferry": lambda x=clips, m=ours: m.processor(videos=x, **FAST),
                    "transformers": lambda x=clips, p=theirs: p(videos=x, return_tensors="pt")}
             _row(name, "pixel_values_videos", fns["mmferry"](), fns["transformers"](),
                  "video_grid_thw", _median_seconds(fns, args.rounds))

@@ -192,6 +192,31 @@ def test_async_copy_races_and_syncs():
     assert kinds_of(audit(synced, {"g": GRID}, {"g": "host"})) == ["implicit_h2d"]
 
 
+def test_memory_recycled_after_a_pinned_source_is_freed_is_not_a_race(monkeypatch) -> None:
+    # The simulation hands a freed host block out again at once; on a GPU the caching host
+    # allocator waits for the block's copies first, so writing a new tensor there is safe.
+    # Every storage made to share one address, so the recycling is certain here.
+    from mmferry.audit import tracer
+
+    monkeypatch.setattr(tracer, "_storage", lambda t: 1)
+
+    def recycled(g):
+        staging = torch.empty(4096, pin_memory=True)
+        on_device = staging.to("cuda", non_blocking=True)
+        del staging
+        torch.empty(4096, pin_memory=True).fill_(1)
+        return on_device
+
+    def kept(g):  # the same, the source still alive: a race
+        staging = torch.empty(4096, pin_memory=True)
+        on_device = staging.to("cuda", non_blocking=True)
+        torch.empty(4096, pin_memory=True).fill_(1)
+        return on_device, staging
+
+    assert kinds_of(audit(recycled, {"g": GRID}, {"g": "host"})) == []
+    assert kinds_of(audit(kept, {"g": GRID}, {"g": "host"})) == ["async_copy_race"]
+
+
 def test_any_host_sync_completes_pending_copies():
     def fn(g, x):
         staging = g.pin_memory()

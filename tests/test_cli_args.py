@@ -67,6 +67,15 @@ BAD = {
     "max_batch_tokens": ["--max-batch-tokens", "0"],
     "batch_wait_ms": ["--batch-wait-ms", "-1"],
     "cache_max_tokens": ["--cache-max-tokens", "0"],
+    "min_render_replicas": ["--min-render-replicas", "-1"],
+    "max_render_replicas": ["--max-render-replicas", "0"],
+    "encoder_replicas": ["--encoder-replicas", "0"],
+    "render_cpus": ["--render-cpus", "-1"],
+    "encoder_cpus": ["--encoder-cpus", "-1"],
+    "encoder_gpus": ["--encoder-gpus", "-0.5"],
+    "ingress_cpus": ["--ingress-cpus", "-1"],
+    "imbalance_threshold": ["--imbalance-threshold", "-1"],
+    "router": ["--router", "random"],
 }
 
 CASES = [(path, option) for path, option in product(COMMANDS, CHECKS)
@@ -127,7 +136,7 @@ def test_validate_knows_no_command_names() -> None:
     assert str(ok["allow_private_addresses"][1][0]) == "127.0.0.0/8"
 
 
-@pytest.mark.parametrize("path", [("launch", "render"), ("serve",)])
+@pytest.mark.parametrize("path", [("launch", "render"), ("serve",), ("launch", "ray")])
 def test_server_help_needs_no_gpu(path: tuple[str, ...]) -> None:
     result = CliRunner().invoke(main, [*path, "--help"])
     assert result.exit_code == 0 and "--allowed-media-domains" in result.output
@@ -140,6 +149,9 @@ def test_server_help_needs_no_gpu(path: tuple[str, ...]) -> None:
     (["encode"], "FILES"),
     (["serve", "--max-batch-tokens", "100", "--cache-max-tokens", "50"], "--max-batch-tokens"),
     (["launch", "render", "--allow-private-addresses"], "--allow-private-addresses"),
+    (["launch", "ray", "--port", "0"], "--port"),
+    (["launch", "ray", "--min-render-replicas", "3", "--max-render-replicas", "2"],
+     "--min-render-replicas"),
     (["encode", "--samples", "1", "--model", "qwen2-audio", "--pixel-dtype", "float32"],
      "--pixel-dtype"),
     (["launch", "render", "--model", "firered-lid", "--resize-mode", "exact"], "--resize-mode"),

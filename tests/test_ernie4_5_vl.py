@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe im
 import mmferry as mf
 import mmferry.models as models
 from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.media import samples
 from mmferry.models import ernie4_5_vl
 from mmferry.models.ernie4_5_vl import Ernie45VL
 
@@ -33,6 +35,10 @@ TEXT = dict(hidden_size=40, intermediate_size=64, num_hidden_layers=1, num_atten
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
                              "mrope_section": [2, 2, 6]})
 SMALL = dict(min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+# transformers' values: normalised float32, Pillow's resize (the PIL image processor's pixels)
+# or torch's uint8 resize (the torchvision image and video processors' pixels).
+EXACT = dict(pixel_dtype="float32", resize_mode="exact")
+FAST = dict(pixel_dtype="float32", resize_mode="fast")
 
 # float32 on both sides; the differences are summation order only (frames of one length share
 # one batched SDPA call; for still images the temporal merge's [x, x] @ [A | B]^T runs as
@@ -108,7 +114,7 @@ def test_image_processor_matches_transformers_pil_bit_for_bit(bounds: dict[str, 
         if bounds else None
     ref = Ernie4_5_VLMoeImageProcessorPil(**({"size": size} if size else {}))(
         images=images, return_tensors="pt")
-    out = model.processor(images=images, **bounds)
+    out = model.processor(images=images, **bounds, **EXACT)
     assert set(out) == {"pixel_values", "image_grid_thw"}
     assert out["pixel_values"].dtype == torch.float32 and out["pixel_values"].shape[1] == 588
     assert out["image_grid_thw"].dtype == torch.int64
@@ -123,8 +129,8 @@ def _video_transcription(frames: np.ndarray, min_pixels: int, max_pixels: int,
     torch, as it runs on a CPU: its frame sampling, last-frame padding, torchvision's
     bicubic resize of uint8 (which calls interpolate on the uint8 tensor), the fused
     rescale-and-normalise, and its patch permutation. (That class needs torchvision, which
-    the test environment lacks; benchmarks/ernie4_5_vl_processor.py compares with the class
-    itself where torchvision is installed.)"""
+    the test extra lacks; test_fast_is_transformers_torchvision_and_stays_close_to_exact
+    compares with the class itself where torchvision is installed.)"""
     from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
         smart_resize,
     )
@@ -158,7 +164,7 @@ def _video_transcription(frames: np.ndarray, min_pixels: int, max_pixels: int,
 def test_video_processor_matches_the_transformers_video_path(shapes, bounds) -> None:
     model = models.load("ernie4.5-vl")
     clips = [_clip(t, h, w, i) for i, (t, h, w) in enumerate(shapes)]
-    out = model.processor(videos=clips, **bounds)
+    out = model.processor(videos=clips, **bounds, **FAST)
     pc = model.processor_config
     lo, hi = bounds.get("min_pixels", pc.video_min_pixels), bounds.get("max_pixels",
                                                                        pc.video_max_pixels)
@@ -167,6 +173,87 @@ def test_video_processor_matches_the_transformers_video_path(shapes, bounds) -> 
     assert out["video_grid_thw"].tolist() == [g for _, g in want]
     assert all(t % 2 == 0 and t <= 180 for t, _, _ in out["video_grid_thw"].tolist())
     assert torch.equal(out["pixel_values_videos"], torch.cat([p for p, _ in want]))
+
+
+def _normalised(levels: torch.Tensor, normalize: mf.Normalize) -> torch.Tensor:
+    """uint8 rows ``[n, C·P·P]`` (channel-major columns) to the values they stand for."""
+    a, b = normalize.affine()
+    x = levels.view(levels.shape[0], len(a), -1).double() * a[:, None] + b[:, None]
+    return x.view(levels.shape).float()
+
+
+PHOTOS = [(448, 448), (300, 200), (97, 131), (64, 300)]
+
+
+@pytest.mark.parametrize("resize_mode", ["fast", "exact"])
+def test_uint8_levels_stand_for_the_float32_values(resize_mode: str) -> None:
+    model = models.load("ernie4.5-vl")
+    images = [samples.photo_like(h, w, seed=i) for i, (h, w) in enumerate(PHOTOS)]
+    clips = [samples.video_like(3, 70, 100, seed=5), samples.video_like(2, 56, 84, seed=6)]
+    bounds = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 200)
+    levels = model.processor(images=images, videos=clips, **bounds, resize_mode=resize_mode)
+    floats = model.processor(images=images, videos=clips, **bounds, resize_mode=resize_mode,
+                             pixel_dtype="float32")
+    specs = model.field_specs(levels)
+    for values, grid in (("pixel_values", "image_grid_thw"),
+                         ("pixel_values_videos", "video_grid_thw")):
+        assert levels[values].dtype == torch.uint8 and floats[values].dtype == torch.float32
+        assert levels[values].shape == floats[values].shape
+        assert torch.equal(levels[grid], floats[grid])
+        assert specs[values].normalize == model.normalize
+        # The same levels, normalised here in float64 rather than by a float32 table.
+        got = _normalised(levels[values], specs[values].normalize)
+        assert (got - floats[values]).abs().max() <= 1e-6
+    # The odd clip's padding frame repeats its last frame's rows.
+    t, gh, gw = levels["video_grid_thw"][0].tolist()
+    frame = gh * gw
+    assert t == 4 and torch.equal(levels["pixel_values_videos"][3 * frame:4 * frame],
+                                  levels["pixel_values_videos"][2 * frame:3 * frame])
+
+
+def _levels_diff(a: torch.Tensor, b: torch.Tensor, normalize: mf.Normalize) -> tuple[float, float]:
+    """Max and mean |a - b| in pixel levels, for uint8 levels or normalised values."""
+    if a.dtype == torch.uint8:
+        d = (a.int() - b.int()).abs().float()
+    else:  # undo the normalisation: one level is scale / std of a normalised unit
+        a_, _ = normalize.affine()
+        d = (a - b).abs().view(a.shape[0], len(a_), -1).double() / a_[:, None]
+    return d.max().item(), d.mean().item()
+
+
+def test_fast_is_transformers_torchvision_and_stays_close_to_exact() -> None:
+    pytest.importorskip("torchvision")
+    from transformers.models.ernie4_5_vl_moe.image_processing_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessor,
+    )
+    from transformers.models.ernie4_5_vl_moe.video_processing_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeVideoProcessor,
+    )
+
+    model = models.load("ernie4.5-vl")
+    # Photo-like images at sizes that down- and up-scale, and a random one.
+    images = [Image.fromarray(samples.photo_like(h, w, seed=i))
+              for i, (h, w) in enumerate([(768, 1024), (300, 200), (97, 131), (1080, 700)])]
+    images.append(Image.fromarray(_rgb(120, 90, 3)))
+    tv = Ernie4_5_VLMoeImageProcessor()(images=images, return_tensors="pt")
+    pil = Ernie4_5_VLMoeImageProcessorPil()(images=images, return_tensors="pt")
+    fast = model.processor(images=images, **FAST)
+    assert torch.equal(fast["image_grid_thw"], tv["image_grid_thw"])
+    assert torch.equal(fast["pixel_values"], tv["pixel_values"])
+    clips = [samples.video_like(3, 70, 100, seed=1), samples.video_like(4, 200, 90, seed=2)]
+    video = Ernie4_5_VLMoeVideoProcessor(draw_on_frames=False)(videos=clips, return_tensors="pt")
+    frames = model.processor(videos=clips, **FAST)
+    assert torch.equal(frames["video_grid_thw"], video["video_grid_thw"])
+    assert torch.equal(frames["pixel_values_videos"], video["pixel_values_videos"])
+    # fast vs exact in pixel levels, ours on uint8 and transformers' torchvision vs PIL
+    # processors on their normalised output: the same pixels, so the same difference.
+    ours = _levels_diff(model.processor(images=images)["pixel_values"],
+                        model.processor(images=images, resize_mode="exact")["pixel_values"],
+                        model.normalize)
+    theirs = _levels_diff(tv["pixel_values"], pil["pixel_values"], model.normalize)
+    print(f"fast vs exact, levels: ours max {ours[0]:.0f} mean {ours[1]:.4f}; transformers "
+          f"torchvision vs PIL max {theirs[0]:.3f} mean {theirs[1]:.4f}")
+    assert 0 < ours[0] <= theirs[0] + 1e-3 and ours[1] <= theirs[1] + 1e-4
 
 
 def _drawing_folder(folder: Path, draw: bool = True) -> Path:
@@ -260,10 +347,11 @@ def test_processor_inputs_and_errors() -> None:
                          ids=["one", "three-sizes", "repeated-size", "extreme-aspect"])
 def test_encoder_matches_transformers_on_images(pair, sizes: list[tuple[int, int]]) -> None:
     ref, ours = pair
-    out = ours.processor(images=[_rgb(h, w, i) for i, (h, w) in enumerate(sizes)], **SMALL)
+    images = [_rgb(h, w, i) for i, (h, w) in enumerate(sizes)]
+    out = ours.processor(images=images, **SMALL)  # uint8 levels, folded into the first layer
     with torch.no_grad():
         got = ours.encode(**out)
-    want = _image_reference(ref, out)
+    want = _image_reference(ref, ours.processor(images=images, **SMALL, **FAST))
     counts = [ours.tokens_per_item({"image_grid_thw": g}) for g in out["image_grid_thw"]]
     assert counts == [h * w // 4 for _, h, w in out["image_grid_thw"].tolist()]
     assert got.shape == want.shape == (sum(counts), TEXT["hidden_size"])
@@ -275,10 +363,11 @@ def test_encoder_matches_transformers_on_images(pair, sizes: list[tuple[int, int
                          ids=["three-clips", "eight-frames", "one-frame-padded"])
 def test_encoder_matches_transformers_on_videos(pair, shapes) -> None:
     ref, ours = pair
-    out = ours.processor(videos=[_clip(*s, i) for i, s in enumerate(shapes)], **SMALL)
+    clips = [_clip(*s, i) for i, s in enumerate(shapes)]
+    out = ours.processor(videos=clips, **SMALL)
     with torch.no_grad():
         got = ours.encode(**out)
-    want = _video_reference(ref, out)
+    want = _video_reference(ref, ours.processor(videos=clips, **SMALL, **FAST))
     grid = out["video_grid_thw"].tolist()
     counts = [ours.tokens_per_item({"video_grid_thw": torch.tensor(g)}) for g in grid]
     assert counts == [t * h * w // 8 for t, h, w in grid]
@@ -320,7 +409,8 @@ def test_in_memory_transformers_names_load_too(tmp_path: Path) -> None:
                if ".vision_tower." in k or ".resampler_model." in k}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(ref.config.to_dict()))
     ours = models.load("ernie4.5-vl", weights=tmp_path)
-    out = ours.processor(images=[_rgb(56, 84, 0)], videos=[_clip(2, 56, 56, 1)], **SMALL)
+    out = ours.processor(images=[_rgb(56, 84, 0)], videos=[_clip(2, 56, 56, 1)], **SMALL,
+                         **EXACT)
     with torch.no_grad():
         got = ours.encode(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
     torch.testing.assert_close(got, _image_reference(ref, out), atol=ATOL, rtol=RTOL)
@@ -339,6 +429,36 @@ def test_batch_equals_items_encoded_one_by_one(pair) -> None:
     assert [s.shape[0] for s in singles] == counts
     for got, want in zip(batch.split(counts), singles, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("resize_mode", ["fast", "exact"])
+def test_uint8_embeddings_equal_the_float32_path(pair, resize_mode: str) -> None:
+    _, ours = pair
+    images = [samples.photo_like(h, w, seed=i) for i, (h, w) in enumerate(PHOTOS)]
+    clips = [samples.video_like(3, 70, 100, seed=5), samples.video_like(4, 56, 84, seed=6)]
+    kwargs = dict(images=images, videos=clips, **SMALL, resize_mode=resize_mode)
+    levels = ours.processor(**kwargs)
+    floats = ours.processor(**kwargs, pixel_dtype="float32")
+    assert levels["pixel_values"].dtype == torch.uint8
+    worst = 0.0
+    with torch.no_grad():
+        for values, grid in (("pixel_values", "image_grid_thw"),
+                             ("pixel_values_videos", "video_grid_thw")):
+            got = ours.encode(**{values: levels[values], grid: levels[grid]})
+            want = ours.encode(**{values: floats[values], grid: floats[grid]})
+            assert got.shape == want.shape and got.shape[0] > 8
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"uint8 vs float32 embeddings ({resize_mode}): max |diff| {worst:.1e}")
+    assert worst <= 1e-5
+
+
+def test_pixel_options_are_checked_before_media_is_read() -> None:
+    model = models.load("ernie4.5-vl")
+    for option, value in (("pixel_dtype", "float16"), ("pixel_dtype", torch.uint8),
+                          ("resize_mode", "nearest")):
+        with pytest.raises(ArgumentError) as e:  # not the MediaError the junk would give
+            model.processor(images=[b"junk"], **{option: value})
+        assert e.value.argument == option
 
 
 def test_bfloat16_stays_close_to_float32(pair) -> None:
@@ -399,6 +519,11 @@ def test_field_specs_and_tokens() -> None:
     assert specs["pixel_values"].sizes == (24, 48)
     assert specs["pixel_values_videos"].sizes == (64,)
     assert specs["pixel_values"].placement == "device"
+    assert out["pixel_values"].dtype == out["pixel_values_videos"].dtype == torch.uint8
+    assert specs["pixel_values"].normalize == specs["pixel_values_videos"].normalize \
+        == mf.Normalize(ernie4_5_vl.CLIP_MEAN, ernie4_5_vl.CLIP_STD, 1 / 255) == model.normalize
+    floats = model.field_specs(model.processor(images=[_rgb(56, 84, 0)], **SMALL, **EXACT))
+    assert floats["pixel_values"].normalize is None
     with pytest.raises(ContractError, match="image_grid_thw"):
         model.field_specs({"pixel_values": out["pixel_values"]})
     assert model.tokens_per_item({"image_grid_thw": torch.tensor([1, 4, 6])}) == 6
@@ -425,25 +550,62 @@ def test_encode_rejects_malformed_batches() -> None:
     assert empty.shape == (0, model.hidden_size)
 
 
-def test_check_item_refuses_rows_that_disagree_with_the_grid() -> None:
+def _small_items(model: Ernie45VL, pixel_dtype: str) -> mf.Items:
+    out = model.processor(images=[_rgb(56, 84, 0), _rgb(84, 112, 1)],
+                          videos=[_clip(4, 56, 56, 2), _clip(3, 56, 84, 3)],
+                          min_pixels=56 * 56, max_pixels=28 * 28 * 16, pixel_dtype=pixel_dtype)
+    return mf.split_items(out, model.field_specs(out))
+
+
+@pytest.mark.parametrize("pixel_dtype", ["uint8", "float32"])
+def test_check_item_refuses_rows_that_disagree_with_the_grid(pixel_dtype: str) -> None:
     model = models.load("ernie4.5-vl")
-    d = model.dummy_inputs()
-    items = mf.split_items(d, model.field_specs(d))
+    items = _small_items(model, pixel_dtype)
     good = items["image"][0]
     model.check_item(good)
     model.check_item(items["video"][1])
     grid = good["image_grid_thw"]
+
+    def item(**fields: torch.Tensor) -> mf.Item:  # the good item's specs, so uint8 stays valid
+        return mf.Item("image", {**good, **fields}, good.specs)
+
     for field, data in (
-        ("pixel_values", {**good, "pixel_values": good["pixel_values"][:-4]}),
+        ("pixel_values", item(pixel_values=good["pixel_values"][:-4])),
         ("pixel_values", {**good, "pixel_values": good["pixel_values"].to(torch.int64)}),
-        ("pixel_values", {**good, "image_grid_thw": grid * torch.tensor([1, 1, 3])}),
-        ("image_grid_thw", {**good, "image_grid_thw": grid + torch.tensor([0, 0, 1])}),
-        ("image_grid_thw", {**good, "image_grid_thw": grid * torch.tensor([2, 1, 1])}),
-        ("image_grid_thw", {**good, "image_grid_thw": grid.float()}),
+        ("pixel_values", item(image_grid_thw=grid * torch.tensor([1, 1, 3]))),
+        ("image_grid_thw", item(image_grid_thw=grid + torch.tensor([0, 0, 1]))),
+        ("image_grid_thw", item(image_grid_thw=grid * torch.tensor([2, 1, 1]))),
+        ("image_grid_thw", item(image_grid_thw=grid.float())),
     ):
         with pytest.raises(ContractError) as e:
             model.check_item(data)
         assert e.value.field == field
+
+
+def test_check_item_refuses_uint8_pixels_of_another_normalisation() -> None:
+    model = models.load("ernie4.5-vl")
+    items = _small_items(model, "uint8")
+    for modality, name in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        good = items[modality][0]
+        assert good.specs[name].normalize == model.normalize
+        model.check_item(good)
+        half = mf.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+        for normalize in (half, None):
+            specs = {**good.specs, name: replace(good.specs[name], normalize=normalize)}
+            with pytest.raises(ContractError, match="normalize") as e:
+                model.check_item(mf.Item(modality, dict(good), specs))
+            assert e.value.field == name
+        # A bare mapping has no spec, so nothing says what its levels stand for.
+        with pytest.raises(ContractError) as e:
+            model.check_item(dict(good))
+        assert e.value.field == name
+        # The same uint8 item reaching the runner is refused there too, naming the field.
+        wrong = mf.Item(modality, dict(good),
+                        {**good.specs, name: replace(good.specs[name], normalize=half)})
+        runner = mf.EncoderRunner(model)
+        outs = runner.encode([wrong, good])
+        assert outs[0] is None and outs[1].shape == (model.tokens_per_item(good), model.hidden_size)
+        assert runner.last.errors[0].field == name
 
 
 # -- placement ---------------------------------------------------------------------------

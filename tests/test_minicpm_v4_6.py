@@ -22,6 +22,7 @@ from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import (
 import mmferry as mf
 import mmferry.models as models
 from mmferry.errors import ArgumentError, ContractError, MediaError
+from mmferry.media.samples import photo_like
 from mmferry.models import minicpm_v4_6
 from mmferry.models.minicpm_v4_6 import MiniCPMV46, ProcessorConfig, VisionConfig
 
@@ -33,6 +34,11 @@ TEXT = dict(model_type="qwen3_5_text", hidden_size=40, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=20,
             vocab_size=64, layer_types=["full_attention"])
 SMALL = 112  # scale_resolution for most cases: slices of at most 8×8 patches
+# Pixels compared with transformers' PIL processor: its resize, its float32 values.
+FLOAT_EXACT = {"pixel_dtype": "float32", "resize_mode": "exact"}
+# Embeddings compared with it: its resize, uint8 levels (the default) through the folded
+# patch embedding, so the default path is the one checked against transformers.
+EXACT = {"resize_mode": "exact"}
 
 # float32 on both sides; the differences are summation order only (a matmul patch embedding
 # against a Conv2d, slices of one size batched into one attention call, windows batched).
@@ -122,7 +128,8 @@ def test_processor_matches_transformers_after_vllm_relayout(mode: str, resolutio
         frames.append(_rgb(37, 211, 9))  # extreme aspect ratio
     else:  # unsliced, 1×2, 3×2
         frames = [_rgb(300, 420, 1), _rgb(500, 700, 2), _rgb(1200, 900, 3)]
-    out = model.processor(images=frames, downsample_mode=mode, scale_resolution=resolution)
+    out = model.processor(images=frames, downsample_mode=mode, scale_resolution=resolution,
+                          **FLOAT_EXACT)
     assert set(out) == {"pixel_values", "tgt_sizes", "use_vit_merger"}
     grids = set()
     for i, f in enumerate(frames):
@@ -144,7 +151,7 @@ def test_processor_options_match_transformers_kwargs() -> None:
     f = _rgb(700, 600, 3)
     for kwargs in ({"max_slice_nums": 2}, {"max_slice_nums": 1}, {"scale_resolution": 224}):
         hf = _hf_processor()([Image.fromarray(f)], return_tensors="pt", **kwargs)
-        out = model.processor(images=f, **kwargs)
+        out = model.processor(images=f, **kwargs, **FLOAT_EXACT)
         pixels, sizes = _vllm_layout(hf)
         assert torch.equal(out["tgt_sizes"][0], sizes) and torch.equal(out["pixel_values"][0],
                                                                         pixels), kwargs
@@ -153,7 +160,8 @@ def test_processor_options_match_transformers_kwargs() -> None:
                 Image.fromarray(np.dstack([_rgb(80, 120, 2), _rgb(80, 120, 3)[..., :1]]),
                                 mode="RGBA")):
         hf = _hf_processor()([img], return_tensors="pt")
-        assert torch.equal(model.processor(images=img)["pixel_values"][0], _vllm_layout(hf)[0])
+        assert torch.equal(model.processor(images=img, **FLOAT_EXACT)["pixel_values"][0],
+                           _vllm_layout(hf)[0])
 
 
 def test_video_is_processed_frame_by_frame_as_vllm_does() -> None:
@@ -162,7 +170,7 @@ def test_video_is_processed_frame_by_frame_as_vllm_does() -> None:
     model = models.load("minicpm-v-4.6")
     clip = np.stack([_rgb(150, 260, 10 + t) for t in range(3)])
     still = np.stack([_rgb(50, 70, 20 + t) for t in range(2)])
-    out = model.processor(videos=[clip, still], scale_resolution=SMALL)
+    out = model.processor(videos=[clip, still], scale_resolution=SMALL, **FLOAT_EXACT)
     assert set(out) == {"video_pixel_values", "video_tgt_sizes", "video_image_sizes",
                         "video_use_vit_merger"}
     for v, frames in enumerate((clip, still)):
@@ -192,7 +200,7 @@ def test_preprocessor_config_sets_the_processor(tmp_path: Path) -> None:
     hf = _hf_processor(max_slice_nums=2, scale_resolution=224, downsample_mode="4x",
                        image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.3, 0.4])(
         [Image.fromarray(f)], return_tensors="pt")
-    out = model.processor(images=[f], videos=[f[None]])
+    out = model.processor(images=[f], videos=[f[None]], **FLOAT_EXACT)
     assert torch.equal(out["pixel_values"][0], _vllm_layout(hf)[0])
     assert out["use_vit_merger"].tolist() == [[False]]
     assert out["video_tgt_sizes"][0].shape[0] == 1  # the video limit: no slicing
@@ -237,7 +245,8 @@ def test_encoder_matches_transformers_per_slicing_branch(pair, case: str, mode: 
     frames = [_rgb(h, w, 0)]
     kwargs = {"max_slice_nums": 4} if case == "sliced-at-max_slice_nums" else {}
     want = _reference(ref, frames, mode, scale_resolution=SMALL, **kwargs)
-    out = ours.processor(images=frames, scale_resolution=SMALL, downsample_mode=mode, **kwargs)
+    out = ours.processor(images=frames, scale_resolution=SMALL, downsample_mode=mode, **kwargs,
+                         **EXACT)
     assert len(out["tgt_sizes"][0]) == 1 + rows * cols
     got = _encode(ours, out)
     assert got.shape == want.shape
@@ -250,15 +259,15 @@ def test_encoder_matches_transformers_on_a_batch_of_larger_slices(pair) -> None:
     ref, ours = pair
     frames = [_rgb(h, w, i) for i, (h, w) in enumerate([(250, 350), (150, 200)])]
     want = _reference(ref, frames, "16x", scale_resolution=224)
-    got = _encode(ours, ours.processor(images=frames, scale_resolution=224))
+    got = _encode(ours, ours.processor(images=frames, scale_resolution=224, **EXACT))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 def test_mixed_modes_in_one_batch_match_separate_reference_calls(pair) -> None:
     ref, ours = pair
     a, b = _rgb(230, 220, 1), _rgb(90, 500, 2)
-    out16 = ours.processor(images=[a], scale_resolution=SMALL)
-    out4 = ours.processor(images=[b], scale_resolution=SMALL, downsample_mode="4x")
+    out16 = ours.processor(images=[a], scale_resolution=SMALL, **EXACT)
+    out4 = ours.processor(images=[b], scale_resolution=SMALL, downsample_mode="4x", **EXACT)
     batch = mf.batch_items(mf.split_items(out16, ours.field_specs(out16)).in_order()
                            + mf.split_items(out4, ours.field_specs(out4)).in_order())
     assert len(batch) == 1
@@ -279,7 +288,7 @@ def test_encoder_matches_transformers_on_videos(pair, mode: str) -> None:
              np.stack([_rgb(50, 70, 20 + t) for t in range(2)])]
     want = torch.cat([_reference(ref, list(c), mode, scale_resolution=SMALL) for c in clips])
     got = _encode(ours, ours.processor(videos=clips, scale_resolution=SMALL,
-                                       downsample_mode=mode))
+                                       downsample_mode=mode, **EXACT))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
@@ -318,7 +327,7 @@ def test_save_pretrained_checkpoint_loads_by_name_and_matches(saved: Path, pair)
     assert loaded.processor_config.max_slice_nums == 4
     assert loaded.processor_config.scale_resolution == SMALL
     frame = _rgb(700, 600, 5)
-    got = _encode(loaded, loaded.processor(images=[frame]))
+    got = _encode(loaded, loaded.processor(images=[frame], **EXACT))
     want = _reference(ref, [frame], "16x", max_slice_nums=4, scale_resolution=SMALL)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
@@ -483,3 +492,158 @@ def test_bfloat16_stays_close_to_float32() -> None:
     assert got.dtype == torch.bfloat16
     # bfloat16 keeps 8 mantissa bits; a few layers of rounding stay within a few percent.
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+
+
+# -- uint8 pixels -------------------------------------------------------------------------
+
+
+def _real(pixels: torch.Tensor, sizes: torch.Tensor) -> list[torch.Tensor]:
+    """Each slice's real columns (its h·w patches), without the padding to the longest."""
+    return [pixels[i, ..., :int(h * w) * 14] for i, (h, w) in enumerate(sizes.tolist())]
+
+
+@pytest.mark.parametrize("resize_mode", ["fast", "exact"])
+def test_uint8_levels_normalise_to_the_float32_output(resize_mode: str) -> None:
+    model = models.load("minicpm-v-4.6")
+    frames = [_rgb(60, 90, 0), _rgb(230, 220, 1), _rgb(90, 500, 2)]
+    clip = np.stack([_rgb(150, 260, 10 + t) for t in range(2)])
+    kwargs = {"scale_resolution": SMALL, "resize_mode": resize_mode}
+    levels = model.processor(images=frames, videos=[clip], **kwargs)
+    floats = model.processor(images=frames, videos=[clip], pixel_dtype="float32", **kwargs)
+    specs, float_specs = model.field_specs(levels), model.field_specs(floats)
+    a, b = model.normalize.affine()
+    for name, sizes_name in (("pixel_values", "tgt_sizes"), ("video_pixel_values",
+                                                           "video_tgt_sizes")):
+        assert specs[name].normalize == model.normalize and float_specs[name].normalize is None
+        assert torch.equal(levels[sizes_name][0], floats[sizes_name][0])
+        for u8, f32, sizes in zip(levels[name], floats[name], levels[sizes_name], strict=True):
+            assert u8.dtype == torch.uint8 and f32.dtype == torch.float32
+            assert u8.shape == f32.shape and u8.shape[:3] == (len(sizes), 3, 14)
+            normalised = (u8.double() * a.view(3, 1, 1) + b.view(3, 1, 1)).float()
+            for got, want in zip(_real(normalised, sizes), _real(f32, sizes), strict=True):
+                assert (got - want).abs().max() <= 1e-6
+            # Padding is zero levels (and zero in float32): the encoder never reads it.
+            real = sum(x.numel() for x in _real(u8, sizes))
+            assert int(u8.count_nonzero()) <= real and int(f32.count_nonzero()) <= real
+            assert u8.sum() == sum(x.sum() for x in _real(u8, sizes))
+    assert model.normalize == mf.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5), 1 / 255)
+
+
+def test_uint8_embeddings_equal_the_float32_path(pair) -> None:
+    _, ours = pair
+    # Unsliced, padded source, padded slices; a sliced and an unsliced clip.
+    frames = [_rgb(h, w, i) for i, (h, w) in enumerate([(60, 90), (120, 230), (90, 500)])]
+    clips = [np.stack([_rgb(150, 260, 10 + t) for t in range(2)]),
+             np.stack([_rgb(50, 70, 20 + t) for t in range(3)])]
+    for mode in ("16x", "4x"):
+        for media in ({"images": frames}, {"videos": clips}):
+            kwargs = {**media, "scale_resolution": SMALL, "downsample_mode": mode}
+            levels = ours.processor(**kwargs)
+            floats = ours.processor(**kwargs, pixel_dtype="float32")
+            got, want = _encode(ours, levels), _encode(ours, floats)
+            assert got.shape == want.shape and got.shape[0] > 10
+            assert (got - want).abs().max() <= 1e-5, (mode, list(media))
+
+
+def test_uint8_padding_is_not_read(pair) -> None:
+    # The folded bias makes level 0 stand for -1, not 0: were padding read, it would count.
+    _, ours = pair
+    # A 1×2 image pads its source (4×12 patches to 8×8), a 1×5 one its slices (8×8 to 4×20).
+    out = ours.processor(images=[_rgb(120, 230, 1), _rgb(90, 500, 2)], scale_resolution=SMALL)
+    want = _encode(ours, out)
+    noisy = []
+    for p, sizes in zip(out["pixel_values"], out["tgt_sizes"], strict=True):
+        q = torch.full_like(p, 255)
+        for i, real in enumerate(_real(p, sizes)):
+            q[i, ..., :real.shape[-1]] = real
+        assert (q != p).sum() >= 14 * 14 * 3 * 16  # 16 patches or more
+        noisy.append(q)
+    torch.testing.assert_close(_encode(ours, {**out, "pixel_values": noisy}), want,
+                               atol=0, rtol=0)
+
+
+def test_fast_resize_matches_transformers_torchvision_processor() -> None:
+    pytest.importorskip("torchvision")
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import (
+        MiniCPMV4_6ImageProcessor,
+    )
+
+    model = models.load("minicpm-v-4.6")
+    tv, pil = MiniCPMV4_6ImageProcessor(), _hf_processor()
+    ours_diff, theirs_diff = [], []
+    for i, (h, w) in enumerate([(300, 420), (500, 700), (900, 600), (100, 700)]):
+        img = Image.fromarray(photo_like(h, w, i))
+        fast = model.processor(images=img, pixel_dtype="float32", resize_mode="fast")
+        exact = model.processor(images=img, pixel_dtype="float32", resize_mode="exact")
+        sizes = fast["tgt_sizes"][0]
+        fused = {k: torch.cat(_real(o["pixel_values"][0], sizes), -1)
+                 for k, o in (("fast", fast), ("exact", exact))}
+        hf_fast = tv([img], return_tensors="pt")
+        hf_pil = pil([img], return_tensors="pt")
+        assert torch.equal(hf_fast["target_sizes"].long(), sizes)
+        # Same pixels; the float arithmetic differs (transformers folds the rescale into the
+        # mean and std) by a rounding of float32.
+        assert (fused["fast"] - hf_fast["pixel_values"][0]).abs().max() <= 1e-6
+        assert torch.equal(fused["exact"], hf_pil["pixel_values"][0])
+
+        def levels(x: torch.Tensor) -> torch.Tensor:
+            return x.double() * 127.5 + 127.5
+
+        ours_diff.append((levels(fused["fast"]) - levels(fused["exact"])).abs())
+        theirs_diff.append((levels(hf_fast["pixel_values"][0])
+                            - levels(hf_pil["pixel_values"][0])).abs())
+    ours_all, theirs_all = torch.cat([d.flatten() for d in ours_diff]), \
+        torch.cat([d.flatten() for d in theirs_diff])
+    # The two resamplers differ by rounding (a level or two), never by content.
+    assert 0 < ours_all.max() <= theirs_all.max() + 1e-6 and ours_all.max() <= 3
+    assert ours_all.mean() <= theirs_all.mean() + 1e-6
+
+
+def test_uint8_items_need_the_models_normalisation() -> None:
+    model = models.load("minicpm-v-4.6")
+    out = model.processor(images=[_rgb(230, 220, 1)], videos=[np.stack([_rgb(50, 70, 2)] * 2)],
+                          scale_resolution=SMALL)
+    specs = model.field_specs(out)
+    for name, modality in (("pixel_values", "image"), ("video_pixel_values", "video")):
+        good = mf.split_items(out, specs)[modality][0]
+        model.check_item(good)
+        for wrong in (None, mf.Normalize((0.48145466, 0.4578275, 0.40821073),
+                                         (0.26862954, 0.26130258, 0.27577711))):
+            bad_specs = {**specs, name: mf.FieldSpec.batched(modality, normalize=wrong)}
+            bad = mf.split_items(out, bad_specs)[modality][0]
+            with pytest.raises(ContractError) as e:
+                model.check_item(bad)
+            assert e.value.field == name
+        with pytest.raises(ContractError) as e:  # a plain mapping says nothing of its levels
+            model.check_item(dict(good))
+        assert e.value.field == name
+        with pytest.raises(ContractError) as e:  # neither levels nor values
+            model.check_item({**good, name: good[name].to(torch.int16)})
+        assert e.value.field == name
+    # A float32 item needs no normalisation.
+    floats = model.processor(images=[_rgb(230, 220, 1)], pixel_dtype="float32")
+    model.check_item(mf.split_items(floats, model.field_specs(floats))["image"][0])
+
+
+def test_runner_refuses_uint8_items_of_another_normalisation() -> None:
+    model = models.load("minicpm-v-4.6")
+    out = model.processor(images=[_rgb(230, 220, 1)], scale_resolution=SMALL)
+    specs = {**model.field_specs(out),
+             "pixel_values": mf.FieldSpec.batched("image", normalize=mf.Normalize((0.5,) * 3,
+                                                                                  (0.25,) * 3))}
+    runner = mf.EncoderRunner(model, device="cpu")
+    good = mf.split_items(out, model.field_specs(out))["image"][0]
+    bad = mf.split_items(out, specs)["image"][0]
+    got = runner.encode([bad, good])
+    assert got[0] is None and got[1] is not None and runner.last.status[0] == "error"
+    assert isinstance(runner.last.errors[0], ContractError)
+    assert runner.last.errors[0].field == "pixel_values"
+
+
+@pytest.mark.parametrize(("option", "value"), [("pixel_dtype", "float16"),
+                                               ("resize_mode", "nearest")])
+def test_pixel_options_are_checked_before_media_is_read(option: str, value: str) -> None:
+    model = models.load("minicpm-v-4.6")
+    with pytest.raises(ArgumentError) as e:
+        model.processor(images=[b"not an image"], **{option: value})
+    assert e.value.argument == option

@@ -94,15 +94,18 @@ def test_resize_modes(source: tuple[int, int], target: tuple[int, int]) -> None:
     chw = torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()[None]
     expected = F.interpolate(chw, size=target, mode="bicubic", antialias=True)[0].permute(1, 2, 0)
     np.testing.assert_array_equal(fast, expected.numpy())
+    np.testing.assert_array_equal(resize(image, *target, mode="fast", contiguous=False), fast)
     assert fast.shape == exact.shape == (*target, 3) and fast.dtype == np.uint8
     # The two filters differ by rounding, not by content.
     assert np.abs(fast.astype(int) - exact.astype(int)).max() <= 3
     same = resize(image, *source, mode="fast")
     np.testing.assert_array_equal(same, np.asarray(image))
-    for mode, hwc in (("exact", exact), ("fast", fast), ("fast", same)):
-        size = hwc.shape[:2]
-        planes = resize(image, *size, mode=mode, channels_first=True)
-        np.testing.assert_array_equal(planes, hwc.transpose(2, 0, 1))
+    # A view of channel planes, the same pixels.
+    for mode, hwc in (("exact", exact), ("fast", fast)):
+        planes = resize(image, *target, mode=mode, contiguous=False)
+        np.testing.assert_array_equal(planes, hwc)
+        assert planes.transpose(2, 0, 1).flags.c_contiguous
+    assert fast.flags.c_contiguous and exact.flags.c_contiguous
 
 
 def test_fold_equals_normalising_first() -> None:
@@ -143,3 +146,15 @@ def test_fold_sums_a_repeated_input_away() -> None:
     assert w.shape == (8, 3, 4, 4)
     got = F.linear(image.reshape(5, -1).float(), w.view(8, -1), b)
     assert (got - expected).abs().max() < 1e-5
+
+
+def test_fold_of_weights_made_under_inference_mode() -> None:
+    with torch.inference_mode():
+        weight = torch.randn(4, 3, 2, 2)
+    levels = torch.randint(0, 256, (2, 12), dtype=torch.uint8)
+    w, b = PixelFold()(weight, None, HALF, 1)
+    a, c = HALF.affine()
+    normalised = (levels.view(2, 3, -1).double() * a[:, None] + c[:, None]).float().view(2, -1)
+    with torch.inference_mode():
+        got, want = F.linear(levels.float(), w.view(4, -1), b), F.linear(normalised, weight.view(4, -1))
+    assert (got - want).abs().max() < 1e-5

@@ -204,7 +204,8 @@ class Tracer:
         self.placements = dict(placements)
         self.ops = 0
         self.findings: dict[tuple[str, tuple[str, ...], str, str], list[Any]] = {}
-        self.pending_h2d: dict[int, str] = {}  # storage of a pinned source -> copy location
+        # storage of a pinned source -> (copy location, the source's base, weakly)
+        self.pending_h2d: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         self.pending_d2h: dict[int, str] = {}  # storage of an async D2H result -> location
         self.api: Any = None  # the Python-level call the current aten ops belong to
         self.aten_op: Any = None
@@ -319,7 +320,8 @@ class Tracer:
                 ", non-dense" if not _is_dense(src) else "")
             self.report("pageable_async_copy", fields, op=op, note=f"source is {why.strip(', ')}")
         else:
-            self.pending_h2d[_storage(src)] = user_location()
+            base = src if src._base is None else src._base
+            self.pending_h2d[_storage(src)] = (user_location(), weakref.ref(base))
 
     def download(self, tag: Tag, non_blocking: bool, op: str) -> bool:
         """Rules for a device-to-host copy; returns whether the result is in flight."""
@@ -477,8 +479,16 @@ class Tracer:
                      written: tuple[tuple[int, str], ...]) -> None:
         for i, name in written:
             t = args[i] if i < len(args) else kwargs.get(name)
-            copied_at = self.pending_h2d.get(_storage(t)) if isinstance(t, torch.Tensor) else None
-            if copied_at is not None:
+            pending = self.pending_h2d.get(_storage(t)) if isinstance(t, torch.Tensor) else None
+            if pending is None:
+                continue
+            copied_at, source = pending
+            if source() is None:
+                # The source is gone and this is new memory at its address: the simulation
+                # recycles host memory at once, while on a GPU the caching host allocator
+                # hands a pinned block out again only after its copies have completed.
+                del self.pending_h2d[_storage(t)]
+            else:
                 tag = self.tag_of(t)
                 self.report("async_copy_race", tag.fields if tag else _EMPTY,
                             note=f"writes the pinned source of the non_blocking copy at "

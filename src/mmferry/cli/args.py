@@ -35,6 +35,7 @@ __all__ = [
     "NETWORK",
     "PIXELS",
     "POOL",
+    "RAY",
     "RULES",
     "Check",
     "check_device",
@@ -248,6 +249,12 @@ def check_fetch_timeout(value: str) -> dict[str, float]:
     return {"image": seconds, "video": seconds, "audio": seconds}
 
 
+def check_choice(value: str, choices: tuple[str, ...], argument: str) -> str:
+    if value not in choices:
+        raise ArgumentError(f"{value!r} is not one of {', '.join(choices)}", argument=argument)
+    return value
+
+
 @dataclass(frozen=True)
 class Check:
     """The check of one option: its flag (how errors name it) and the function."""
@@ -293,6 +300,17 @@ CHECKS: dict[str, Check] = {
     "max_batch_tokens": _positive("--max-batch-tokens"),
     "batch_wait_ms": Check("--batch-wait-ms", lambda v: _non_negative(v, "--batch-wait-ms")),
     "cache_max_tokens": _positive("--cache-max-tokens"),
+    "min_render_replicas": Check("--min-render-replicas",
+                                 lambda v: int(_non_negative(v, "--min-render-replicas"))),
+    "max_render_replicas": _positive("--max-render-replicas"),
+    "encoder_replicas": _positive("--encoder-replicas"),
+    "render_cpus": Check("--render-cpus", lambda v: _non_negative(v, "--render-cpus")),
+    "encoder_cpus": Check("--encoder-cpus", lambda v: _non_negative(v, "--encoder-cpus")),
+    "encoder_gpus": Check("--encoder-gpus", lambda v: _non_negative(v, "--encoder-gpus")),
+    "ingress_cpus": Check("--ingress-cpus", lambda v: _non_negative(v, "--ingress-cpus")),
+    "imbalance_threshold": Check("--imbalance-threshold",
+                                 lambda v: int(_non_negative(v, "--imbalance-threshold"))),
+    "router": Check("--router", lambda v: check_choice(v, ("affinity", "pow2"), "--router")),
 }
 
 
@@ -341,6 +359,17 @@ def _private_needs_domains(ns: Mapping[str, Any]) -> None:
                             argument="--allow-private-addresses")
 
 
+def _render_replicas_range(ns: Mapping[str, Any]) -> None:
+    if ns["min_render_replicas"] > ns["max_render_replicas"]:
+        raise ArgumentError(f"{ns['min_render_replicas']} is more than --max-render-replicas "
+                            f"{ns['max_render_replicas']}", argument="--min-render-replicas")
+
+
+def _ray_port(ns: Mapping[str, Any]) -> None:
+    if ns["port"] == 0:
+        raise ArgumentError("Ray Serve's HTTP proxy needs a fixed port", argument="--port")
+
+
 #: (options that must all be in the namespace, the rule over them), applied in order.
 RULES: list[tuple[frozenset[str], Callable[[Mapping[str, Any]], None]]] = [
     (frozenset({"files", "samples"}), _one_of_files_or_samples),
@@ -349,6 +378,8 @@ RULES: list[tuple[frozenset[str], Callable[[Mapping[str, Any]], None]]] = [
     (frozenset({"max_batch_tokens", "cache_max_tokens"}), _batch_fits_cache),
     (frozenset({"allow_private_addresses", "allowed_media_domains"}), _private_needs_domains),
     (frozenset({"model_name", "pixel_dtype", "resize_mode"}), _pixels_need_images),
+    (frozenset({"min_render_replicas", "max_render_replicas"}), _render_replicas_range),
+    (frozenset({"port", "ray_address"}), _ray_port),
 ]
 
 
@@ -422,13 +453,16 @@ DEVICE: list[Decorator] = [
 ]
 
 
-def NETWORK(port: int, max_request_bytes: str = "64MiB") -> list[Decorator]:
-    """The network group, with the server's default port and body cap."""
+def NETWORK(port: int, max_request_bytes: str = "64MiB", *, any_port: bool = True
+            ) -> list[Decorator]:
+    """The network group, with the server's default port and body cap (``any_port``: the
+    server can bind port 0)."""
+    port_help = "Port to bind (0: any free port; the bound one is printed)." if any_port \
+        else "Port to bind."
     return [
         click.option("--host", default="127.0.0.1", show_default=True,
                      help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
-        click.option("--port", type=int, default=port, show_default=True,
-                     help="Port to bind (0: any free port; the bound one is printed)."),
+        click.option("--port", type=int, default=port, show_default=True, help=port_help),
         click.option("--api-key", "api_keys", multiple=True, metavar="KEY",
                      help="Require 'Authorization: Bearer KEY' on /v1/ routes (repeatable)."),
         click.option("--max-request-bytes", default=max_request_bytes, show_default=True,
@@ -482,4 +516,33 @@ BATCHING: list[Decorator] = [
                  help="How long a batch waits for more requests to join it."),
     click.option("--cache-max-tokens", type=int, default=1 << 20, show_default=True,
                  help="Encoder-cache capacity in tokens (rows)."),
+]
+
+RAY: list[Decorator] = [
+    click.option("--ray-address", default=None, metavar="ADDRESS",
+                 help="Ray cluster to join (e.g. HEAD_IP:6379, or 'auto'). Default: RAY_ADDRESS, "
+                      "else a new one-machine cluster."),
+    click.option("--min-render-replicas", type=int, default=1, show_default=True,
+                 help="Render replicas kept running (the deployment autoscales above it; 0: "
+                      "none until a render request comes)."),
+    click.option("--max-render-replicas", type=int, default=4, show_default=True,
+                 help="Most render replicas."),
+    click.option("--render-cpus", type=float, default=1.0, show_default=True,
+                 help="CPUs reserved per render replica (one process each, one core)."),
+    click.option("--encoder-replicas", type=int, default=1, show_default=True,
+                 help="Encoder replicas (each with its own encoder cache)."),
+    click.option("--encoder-gpus", type=float, default=None,
+                 help="GPUs per encoder replica. Default: 1 where the cluster has GPUs, else 0 "
+                      "(the encoder runs on the CPU)."),
+    click.option("--encoder-cpus", type=float, default=1.0, show_default=True,
+                 help="CPUs reserved per encoder replica."),
+    click.option("--ingress-cpus", type=float, default=0.5, show_default=True,
+                 help="CPUs reserved for the HTTP ingress."),
+    click.option("--router", default="affinity", show_default=True,
+                 type=click.Choice(["affinity", "pow2"]),
+                 help="Encoder routing: affinity (rendezvous hashing on the largest item's hash, "
+                      "load fallback) or pow2 (Ray Serve's default)."),
+    click.option("--imbalance-threshold", type=int, default=8, show_default=True,
+                 help="Affinity yields to load when the chosen encoder replica has this many more "
+                      "requests outstanding than the least loaded one."),
 ]

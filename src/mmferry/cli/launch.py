@@ -8,9 +8,20 @@ from typing import Any
 
 import click
 
-from mmferry.cli.args import MEDIA, MODEL, NETWORK, PIXELS, POOL, options, pixel_options, validated
+from mmferry.cli.args import (
+    BATCHING,
+    MEDIA,
+    MODEL,
+    NETWORK,
+    PIXELS,
+    POOL,
+    RAY,
+    options,
+    pixel_options,
+    validated,
+)
 
-__all__ = ["launch", "media_limits"]
+__all__ = ["launch", "media_limits", "ray_command"]
 
 
 @click.group("launch")
@@ -56,3 +67,43 @@ def render(**ns: Any) -> None:
                        max_request_bytes=ns["max_request_bytes"], limits=media_limits(ns),
                        api_keys=ns["api_keys"], processor_defaults=pixel_options(ns))
     serve(create_app(cfg), ns["host"], ns["port"], name="mmferry render")
+
+
+@launch.command("ray")
+@options(MODEL, NETWORK(8000, max_request_bytes="512MiB", any_port=False), BATCHING, MEDIA, PIXELS,
+         RAY)
+@click.option("--dtype", default="float32", show_default=True, help="Encoder weights dtype.")
+@click.option("--accept-media", is_flag=True,
+              help="POST /v1/encode also takes the JSON / multipart media of /v1/render "
+                   "(rendered by the render replicas).")
+@validated
+def ray_command(**ns: Any) -> None:
+    """Serve both servers' routes on Ray Serve (needs mmferry[ray]): render replicas on CPUs
+    (autoscaled), encoder replicas on GPUs (or CPUs), each encode request routed to the
+    encoder replica that holds its largest item. Routes: POST /v1/render, /v1/encode,
+    /v1/embeddings:lookup; GET /v1/embeddings/{hash}, /health, /v1/models, /metrics (a
+    pointer: replicas' metrics go through Ray's metrics export). --pixel-dtype /
+    --resize-mode set the default of a request's processor_kwargs. Runs until interrupted."""
+    import signal
+    import sys
+    import time
+
+    import ray
+    from ray import serve
+
+    from mmferry.scaleout.ray import application
+
+    ray.init(address=ns["ray_address"], include_dashboard=False, log_to_driver=False)
+    # SIGTERM (a service manager, `kill`) stops it as Ctrl-C does: through the shutdown below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve.start(http_options={"host": ns["host"], "port": ns["port"]})
+        serve.run(application(ns), name="mmferry", route_prefix="/", blocking=False)
+        print(f"mmferry ray: listening on http://{ns['host']}:{ns['port']}", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -36,7 +36,8 @@ PIXEL_DTYPES = ("uint8", "float32")
 DEFAULT_RESIZE_MODE = "fast"
 DEFAULT_PIXEL_DTYPE = "uint8"
 RESAMPLE_FILTERS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
-# The antialiased kernels F.interpolate(..., antialias=True) runs, called with an output buffer.
+# The antialiased uint8 kernels F.interpolate(..., antialias=True) runs, called with an output
+# buffer of our choosing.
 _AA_KERNELS = {"bicubic": torch.ops.aten._upsample_bicubic2d_aa,
                "bilinear": torch.ops.aten._upsample_bilinear2d_aa}
 
@@ -55,17 +56,17 @@ def check_pixel_options(pixel_dtype: Any, resize_mode: Any) -> None:
 
 
 def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: str,
-           resample: str = "bicubic", channels_first: bool = False) -> np.ndarray:
+           resample: str = "bicubic", contiguous: bool = True) -> np.ndarray:
     """``image`` (a PIL image or uint8 ``[H, W, C]`` array) resized to ``height×width`` as
-    uint8 ``[height, width, C]``; the input as an array when it already has that size (it
-    may be read-only).
+    uint8 ``[height, width, C]``; the input as an array when it already has that size.
 
     ``mode`` is ``"exact"`` (Pillow's filter, transformers' PIL processors) or ``"fast"``
     (torch's antialiased uint8 filter, transformers' torchvision processors).
-    ``channels_first`` gives ``[C, height, width]`` instead, for a processor that patchifies
-    channel by channel: ``fast`` spares the copy back to ``H×W×C`` (torch's filter writes
-    channel planes), ``exact`` copies a PIL image's bands out one by one (a third of the time
-    of the interleaved array plus a transposition); an array is a transposed view.
+    ``contiguous=False`` may return a strided ``[H, W, C]`` view of channel planes (``[C, H,
+    W]`` memory), for a caller whose patchify reads channel by channel and copies the pixels
+    anyway: ``"fast"`` transposes the kernel's output into planes (numpy, half the cost of
+    the conversion F.interpolate makes), ``"exact"`` copies a PIL image's bands out one by
+    one (a third of the cost of the interleaved array plus a transposition).
     """
     if resample not in RESAMPLE_FILTERS:
         raise ArgumentError(f"resample must be one of {sorted(RESAMPLE_FILTERS)}, got {resample!r}",
@@ -73,43 +74,36 @@ def resize(image: Image.Image | np.ndarray, height: int, width: int, *, mode: st
     if mode == "exact":
         if isinstance(image, np.ndarray):
             if image.shape[:2] == (height, width):
-                return _channels_first(image) if channels_first else image
+                return image
             image = Image.fromarray(image)
         if image.size != (width, height):
             image = image.resize((width, height), RESAMPLE_FILTERS[resample])
-        return _bands(image) if channels_first else np.asarray(image)
+        return np.asarray(image) if contiguous else _bands(image)
     if mode != "fast":
         raise ArgumentError(f"resize_mode must be one of {list(RESIZE_MODES)}, got {mode!r}",
                             argument="resize_mode")
-    # A PIL image is copied out once (its array interface), read-only.
+    # np.asarray copies a PIL image out once, into a read-only array (np.array would copy
+    # it twice).
     pixels = np.asarray(image)
     if pixels.shape[:2] == (height, width):
-        return _channels_first(pixels) if channels_first else pixels
+        return pixels
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
-    with warnings.catch_warnings():
-        # torch cannot guard a read-only array and says so; the kernel only reads it, so it
-        # is not copied a second time.
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(pixels)
     # [1, C, H, W] with channels-last strides: the uint8 kernel's own layout, no copy in.
-    batch = source.permute(2, 0, 1).unsqueeze(0)
-    # F.interpolate's kernel, into a channels-last buffer: F.interpolate itself converts the
-    # result to channels-first, a pass as long as half the filter; numpy's transposition into
-    # planes costs half of that.
+    batch = _as_tensor(pixels).permute(2, 0, 1).unsqueeze(0)
+    # F.interpolate's kernel, into a channels-last buffer: F.interpolate would convert the
+    # result to channels-first (about half the filter's time) and interleaving that again
+    # costs as much; here [H, W, C] is a plain view.
     out = torch.empty((1, batch.shape[1], height, width), dtype=torch.uint8,
                       memory_format=torch.channels_last)
     _AA_KERNELS[resample].out(batch, [height, width], False, None, None, out=out)
-    pixels = out[0].permute(1, 2, 0).numpy()
-    return np.ascontiguousarray(pixels.transpose(2, 0, 1)) if channels_first else pixels
-
-
-def _channels_first(pixels: np.ndarray) -> np.ndarray:
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    hwc = out[0].permute(1, 2, 0).numpy()
+    return hwc if contiguous else np.ascontiguousarray(hwc.transpose(2, 0, 1)).transpose(1, 2, 0)
 
 
 def _bands(image: Image.Image) -> np.ndarray:
-    """A PIL image as uint8 ``[C, H, W]`` planes, each band copied out by Pillow in one pass."""
+    """A PIL image as uint8 ``[H, W, C]``, a view of ``[C, H, W]`` planes, each band copied
+    out by Pillow in one pass."""
     bands = image.getbands()
     if len(bands) > 1:
         planes = np.empty((len(bands), image.height, image.width), dtype=np.uint8)
@@ -117,7 +111,17 @@ def _bands(image: Image.Image) -> np.ndarray:
             for plane, band in zip(planes, bands, strict=True):
                 plane[...] = np.frombuffer(image.tobytes("raw", band),
                                            dtype=np.uint8).reshape(plane.shape)
-            return planes
+            return planes.transpose(1, 2, 0)
         except (ValueError, OSError):  # a mode without a packer per band
             pass
-    return _channels_first(np.asarray(image))
+    return np.asarray(image)
+
+
+def _as_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """The array as a tensor sharing its memory, read-only or not: the resize only reads it,
+    so torch's warning about non-writable arrays does not apply."""
+    if pixels.flags.writeable:
+        return torch.from_numpy(pixels)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(pixels)

@@ -188,9 +188,9 @@ class PixelFold(nn.Module):
         returns the folded weight and a bias ``[out]``. ``sum_dims`` are weight dimensions the
         input repeats along (an image standing for the frames of a temporal patch): they are
         summed away, so the input is sent once."""
-        key = (weight.data_ptr(), weight._version, weight.shape, weight.dtype, weight.device,
-               None if bias is None else (bias.data_ptr(), bias._version), normalize, channel_dim,
-               sum_dims)
+        key = (weight.data_ptr(), _version(weight), weight.shape, weight.dtype, weight.device,
+               None if bias is None else (bias.data_ptr(), _version(bias)), normalize,
+               channel_dim, sum_dims)
         if key != self._key or self.weight is None or self.bias is None:
             if weight.shape[channel_dim] != normalize.channels:
                 raise ContractError(f"the first layer has {weight.shape[channel_dim]} input "
@@ -210,6 +210,15 @@ class PixelFold(nn.Module):
                 self.weight, self.bias = folded.to(weight.dtype), shift.to(weight.dtype)
             self._key = key
         return self.weight, self.bias
+
+
+def _version(t: torch.Tensor) -> int | None:
+    # Tensors made under torch.inference_mode() keep no version counter; such weights are
+    # not edited in place after loading, so their storage alone identifies them.
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def check_normalize(name: str, spec_normalize: Normalize | None, expected: Normalize) -> None:

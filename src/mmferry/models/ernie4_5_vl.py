@@ -1,15 +1,20 @@
 """Ernie4.5-VL: its image/video processor, field contract, vision tower and resampler.
 
-The image processor matches transformers' ``Ernie4_5_VLMoeImageProcessorPil`` (smart resize
-with Pillow's bicubic filter, rescale and CLIP normalisation, merge-block patch order, one
-frame per patch). The video processor matches ``Ernie4_5_VLMoeVideoProcessor``:
-timestamps drawn on the frames when the checkpoint's video processor config asks for it
-(``draw_on_frames``, with its font file), at most ``max_frames`` frames sampled evenly, an odd
-frame count padded with the last frame, frames resized with PyTorch's antialiased bicubic
-on uint8 (what that processor runs on a CPU), the fused rescale-and-normalise, one row per
-patch of every frame. The encoder is the Ernie4.5-VL vision transformer and its
-``VariableResolutionResamplerModel`` (2×2 spatial merge, pairwise temporal merge, projection
-to the language model's width), with the public checkpoint's parameter names.
+The processor emits uint8 pixel levels by default (resized, patchified, not normalised; the
+pixel field's spec carries the CLIP normalisation, which the encoder folds into its patch
+embedding) or, with ``pixel_dtype="float32"``, transformers' normalised values. Images: smart
+resize, merge-block patch order, one frame per patch. With ``resize_mode="exact"`` the float32
+output is ``Ernie4_5_VLMoeImageProcessorPil``'s bit for bit (Pillow's bicubic filter, its
+rescale then normalise); with ``"fast"`` (the default) it is ``Ernie4_5_VLMoeImageProcessor``'s
+(torch's antialiased bicubic on uint8, the fused rescale-and-normalise). Videos follow
+``Ernie4_5_VLMoeVideoProcessor``: timestamps drawn on the frames when the checkpoint's video
+processor config asks for it (``draw_on_frames``, with its font file), at most ``max_frames``
+frames sampled evenly, an odd frame count padded with the last frame, one row per patch of
+every frame; ``"fast"`` gives that processor's values bit for bit, ``"exact"`` resizes the
+frames with Pillow and normalises as the PIL image processor does. The encoder is the
+Ernie4.5-VL vision transformer and its ``VariableResolutionResamplerModel`` (2×2 spatial
+merge, pairwise temporal merge, projection to the language model's width), with the public
+checkpoint's parameter names.
 
 Placement: ``image_grid_thw`` / ``video_grid_thw`` stay on the host. Everything derived from
 them (split sizes, attention runs, rotary positions, the resampler's frame-pair indices) is
@@ -34,12 +39,20 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError, MediaError
-from mmferry.fields import FieldSpec
+from mmferry.fields import FieldSpec, Normalize
 from mmferry.media import load_image, load_video
 from mmferry.media.arguments import as_images, as_videos
+from mmferry.media.resize import (
+    DEFAULT_PIXEL_DTYPE,
+    DEFAULT_RESIZE_MODE,
+    check_pixel_options,
+    resize,
+)
 from mmferry.models.blocks import (
     ACTIVATIONS,
+    PixelFold,
     RotaryBlock,
+    check_normalize,
     describe,
     frame_rotary,
 )
@@ -164,6 +177,7 @@ class ProcessorConfig:
     max_frames: int = 180
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
     # Timestamps drawn on video frames with this TrueType font (the checkpoint's), or None.
     timestamp_font: str | None = None
 
@@ -195,6 +209,7 @@ class ProcessorConfig:
                 max_frames=int((video or {}).get("max_frames", out.max_frames)),
                 image_mean=tuple(float(x) for x in image.get("image_mean", out.image_mean)),
                 image_std=tuple(float(x) for x in image.get("image_std", out.image_std)),
+                rescale_factor=float(image.get("rescale_factor", out.rescale_factor)),
                 timestamp_font=font,
             )
         except (TypeError, ValueError) as e:
@@ -205,11 +220,11 @@ class ProcessorConfig:
 
 
 @lru_cache(maxsize=8)
-def _image_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+def _pil_table(mean: tuple[float, ...], std: tuple[float, ...], scale: float) -> np.ndarray:
     """``[C, 256]`` float32: each uint8 value rescaled then normalised, with the arithmetic of
     transformers' Pillow backend (rescale in float64, cast to float32, normalise in float32),
     so a lookup gives its values bit for bit."""
-    scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    scaled = (np.arange(256, dtype=np.float64) * scale).astype(np.float32)
     m = np.asarray(mean, dtype=np.float32)[:, None]
     s = np.asarray(std, dtype=np.float32)[:, None]
     table = (scaled[None, :] - m) / s
@@ -218,48 +233,55 @@ def _image_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
 
 
 @lru_cache(maxsize=8)
-def _video_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """``[C, 256]`` float32 with the video processor's fused arithmetic: mean and std scaled
-    by 255 in float32, then ``(value - mean) / std`` in float32."""
-    m = (torch.tensor(mean) * 255.0)[:, None]
-    s = (torch.tensor(std) * 255.0)[:, None]
+def _fused_table(mean: tuple[float, ...], std: tuple[float, ...], scale: float) -> np.ndarray:
+    """``[C, 256]`` float32 with the torchvision processors' fused arithmetic: mean and std
+    divided by the rescale factor in float32, then ``(value - mean) / std`` in float32."""
+    m = (torch.tensor(mean) * (1.0 / scale))[:, None]
+    s = (torch.tensor(std) * (1.0 / scale))[:, None]
     table = ((torch.arange(256, dtype=torch.float32)[None, :] - m) / s).numpy()
     table.setflags(write=False)
     return table
 
 
-def _patchify_into(out: torch.Tensor, frames: np.ndarray, table: np.ndarray, *, patch: int,
-                   merge: int) -> None:
-    """Write ``frames`` (uint8 ``[T, H, W, C]``) into ``out`` (``[T·H·W/P², C·P·P]``).
+@lru_cache(maxsize=4)
+def _patch_runs(c: int, h: int, w: int, patch: int, merge: int) -> torch.Tensor:
+    """Where each ``patch``-wide run of patchified rows starts in a ``[C, H, W]`` frame, in
+    units of ``patch``: one int64 per (merge-block row, merge-block column, row in block,
+    column in block, channel, patch row)."""
+    bh, bw, runs = h // (patch * merge), w // (patch * merge), w // patch
+    block = (np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None])
+    block = (block * patch * runs + np.arange(bw)[None, :, None, None] * merge
+             + np.arange(merge)[None, None, None, :])
+    inside = np.arange(c)[:, None] * h * runs + np.arange(patch)[None, :] * runs
+    return torch.from_numpy((block[..., None, None] + inside).reshape(-1))
 
-    Rows run over (frame, merge-block row, merge-block column, row in block, column in
-    block); columns over (channel, patch row, patch column). Each channel is looked up in
-    ``table`` with one fancy index (numpy's ``take`` is several times slower on uint8
-    indices), then copied in patch order by one strided torch copy."""
-    t, h, w, c = frames.shape
-    gh, gw = h // patch, w // patch
-    dest = out.view(t, gh // merge, gw // merge, merge, merge, c, patch, patch)
+
+def _patchify_into(out: np.ndarray, planes: np.ndarray, table: np.ndarray | None, *,
+                   patch: int, merge: int) -> None:
+    """Write ``planes`` (one frame, uint8 ``[C, H, W]``) into ``out`` (``[H·W/P², C·P·P]``,
+    uint8 when ``table`` is None, else float32).
+
+    Rows run over (merge-block row, merge-block column, row in block, column in block);
+    columns over (channel, patch row, patch column). uint8 levels are copied as they are: a
+    contiguous frame as ``patch``-byte rows gathered by one ``index_select`` (a memcpy per
+    run, faster than a strided copy of the same bytes), any other in one strided copy.
+    float32 values are looked up per channel in ``table`` with one fancy index (numpy's
+    ``take`` is several times slower on uint8 indices), then copied in patch order."""
+    c, h, w = planes.shape
+    if table is None and planes.flags.c_contiguous and planes.flags.writeable:
+        runs = _patch_runs(c, h, w, patch, merge)
+        torch.index_select(torch.from_numpy(planes).view(-1, patch), 0, runs,
+                           out=torch.from_numpy(out).view(-1, patch))
+        return
+    bh, bw = h // (patch * merge), w // (patch * merge)
+    dest = out.reshape(bh, bw, merge, merge, c, patch, patch)
+    if table is None:
+        dest[...] = planes.reshape(c, bh, merge, patch, bw, merge, patch).transpose(
+            1, 4, 2, 5, 0, 3, 6)
+        return
     for ch in range(c):
-        plane = torch.from_numpy(table[ch][frames[..., ch]])
-        dest[:, :, :, :, :, ch].copy_(plane.view(
-            t, gh // merge, merge, patch, gw // merge, merge, patch).permute(0, 1, 4, 2, 5, 3, 6))
-
-
-def _resize_pil(img: Image.Image, height: int, width: int) -> np.ndarray:
-    if img.size != (width, height):
-        img = img.resize((width, height), Image.Resampling.BICUBIC)
-    return np.asarray(img)
-
-
-def _resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 ``[T, H, W, C]`` resized as the video processor does on a CPU: PyTorch's
-    antialiased bicubic run on the uint8 values themselves."""
-    if frames.shape[1:3] == (height, width):
-        return frames
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2)
-    y = F.interpolate(x, size=(height, width), mode="bicubic", antialias=True,
-                      align_corners=False)
-    return y.permute(0, 2, 3, 1).numpy()
+        dest[:, :, :, :, ch] = table[ch][planes[ch]].reshape(
+            bh, merge, patch, bw, merge, patch).transpose(0, 3, 1, 4, 2, 5)
 
 
 def _sample_indices(total: int, max_frames: int) -> list[int]:
@@ -300,12 +322,23 @@ def _draw_timestamps(frames: list[Image.Image], indices: list[int], fps: float,
 
 
 class PatchEmbed(nn.Module):
+    """A linear map of each patch's ``C·P·P`` values (channel-major). uint8 levels go
+    through the weight with ``normalize`` folded in (a bias appears), so no normalising pass
+    runs on the device; floating pixels (already normalised) through the weight itself."""
+
     def __init__(self, cfg: ErnieConfig) -> None:
         super().__init__()
+        self.channels = cfg.in_channels
         self.proj = nn.Linear(cfg.in_channels * cfg.patch_size ** 2, cfg.width, bias=False)
+        self.fold = PixelFold()
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.proj(pixels.to(self.proj.weight.dtype))
+    def forward(self, pixels: torch.Tensor, normalize: Normalize) -> torch.Tensor:
+        weight = self.proj.weight
+        if pixels.dtype != torch.uint8:
+            return self.proj(pixels.to(weight.dtype))
+        folded, bias = self.fold(weight.view(weight.shape[0], self.channels, -1), None,
+                                 normalize, channel_dim=1)
+        return F.linear(pixels.to(weight.dtype), folded.flatten(1), bias)
 
 
 class VisionTransformer(nn.Module):
@@ -321,9 +354,11 @@ class VisionTransformer(nn.Module):
                         cfg.vision_eps) for _ in range(cfg.depth))
         self.ln = nn.LayerNorm(cfg.width, eps=cfg.vision_eps)
 
-    def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-        """``pixels`` ``[Σ t·h·w, C·P·P]`` on the device, ``grid`` host ints per item."""
-        x = self.patch_embed(pixels)
+    def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]],
+                normalize: Normalize) -> torch.Tensor:
+        """``pixels`` ``[Σ t·h·w, C·P·P]`` on the device (uint8 levels that ``normalize``
+        describes, or normalised floats), ``grid`` host ints per item."""
+        x = self.patch_embed(pixels, normalize)
         cos, sin, runs = frame_rotary(grid, self.cfg.spatial_merge_size,
                                       self.cfg.width // self.cfg.num_heads, self.cfg.rope_theta,
                                       x.device)
@@ -421,7 +456,10 @@ class Ernie45VL(nn.Module):
     :class:`mmferry.encoder.model.EncoderModel`).
 
     Build with :func:`mmferry.models.load`. Parameters live under ``vision_model.`` and
-    ``resampler_model.`` with the public checkpoint's names.
+    ``resampler_model.`` with the public checkpoint's names. ``normalize`` (a
+    :class:`~mmferry.fields.Normalize` from the processor config's mean, std and rescale
+    factor) is what uint8 pixel levels stand for: the processor's uint8 fields carry it,
+    ``check_item`` requires it, and the patch embedding folds it into its weight.
     """
 
     name = "ernie4.5-vl"
@@ -446,6 +484,9 @@ class Ernie45VL(nn.Module):
         super().__init__()
         self.config = config
         self.processor_config = processor_config or ProcessorConfig()
+        pc = self.processor_config
+        # What uint8 pixel levels stand for: the spec of every uint8 pixel field carries it.
+        self.normalize = Normalize(pc.image_mean, pc.image_std, pc.rescale_factor)
         self.hidden_size = config.hidden_size
         self.vision_model = VisionTransformer(config)
         self.resampler_model = Resampler(config)
@@ -470,10 +511,11 @@ class Ernie45VL(nn.Module):
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   min_pixels: int | None = None, max_pixels: int | None = None,
-                  fps: float | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """Images and videos to ``pixel_values`` ``[Σ h·w, C·P·P]`` float32 and
-        ``image_grid_thw`` ``[n, 3]`` int64 (t = 1), and ``pixel_values_videos``
-        ``[Σ t·h·w, C·P·P]`` / ``video_grid_thw`` (t = frames, padded to even).
+                  fps: float | None = None, pixel_dtype: str = DEFAULT_PIXEL_DTYPE,
+                  resize_mode: str = DEFAULT_RESIZE_MODE, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """Images and videos to ``pixel_values`` ``[Σ h·w, C·P·P]`` and ``image_grid_thw``
+        ``[n, 3]`` int64 (t = 1), and ``pixel_values_videos`` ``[Σ t·h·w, C·P·P]`` /
+        ``video_grid_thw`` (t = frames, padded to even).
 
         ``images``: one image or a sequence, each anything :func:`mmferry.media.load_image`
         takes. ``videos``: videos as :func:`mmferry.media.as_videos` names them (files,
@@ -483,15 +525,23 @@ class Ernie45VL(nn.Module):
         ``min_pixels`` / ``max_pixels`` override the resize bounds of both. A modality
         without media has no fields in the output.
 
+        ``pixel_dtype``: ``"uint8"`` (default) gives the resized levels, not normalised, for
+        the encoder to normalise in its first layer (:attr:`normalize` says how);
+        ``"float32"`` gives transformers' normalised values. ``resize_mode``: ``"fast"``
+        (default; torch's uint8 filter, transformers' torchvision processors, which vLLM
+        uses) or ``"exact"`` (Pillow's filter, transformers' PIL image processor).
+
         Raises:
             MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
                 above 200; it names the file or ``item N``.
-            ArgumentError: audio, a non-positive ``fps``, or an option other than
-                ``min_pixels`` / ``max_pixels`` / ``fps``.
+            ArgumentError: audio, a non-positive ``fps``, an unknown ``pixel_dtype`` /
+                ``resize_mode``, or another option.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; ernie4.5-vl "
-                                "takes min_pixels, max_pixels and fps", argument=sorted(kwargs)[0])
+                                "takes min_pixels, max_pixels, fps, pixel_dtype and resize_mode",
+                                argument=sorted(kwargs)[0])
+        check_pixel_options(pixel_dtype, resize_mode)
         if fps is not None and not (isinstance(fps, int | float) and fps > 0):
             raise ArgumentError(f"fps must be a positive number, got {fps!r}", argument="fps")
         if audios is not None:
@@ -502,7 +552,7 @@ class Ernie45VL(nn.Module):
         loaded = [load_image(x, index=i) for i, x in enumerate(as_images(images))]
         if loaded:
             self._process(out, "image", [[img] for img in loaded], min_pixels or pc.min_pixels,
-                          max_pixels or pc.max_pixels)
+                          max_pixels or pc.max_pixels, pixel_dtype, resize_mode)
         clips = []
         for i, source in enumerate(as_videos(videos)):
             frames = load_video(source, index=i, max_frames=pc.max_frames)
@@ -513,11 +563,12 @@ class Ernie45VL(nn.Module):
             clips.append(frames)
         if clips:
             self._process(out, "video", clips, min_pixels or pc.video_min_pixels,
-                          max_pixels or pc.video_max_pixels)
+                          max_pixels or pc.video_max_pixels, pixel_dtype, resize_mode)
         return out
 
     def _process(self, out: dict[str, torch.Tensor], modality: str,
-                 media: list[list[Image.Image]], min_pixels: int, max_pixels: int) -> None:
+                 media: list[list[Image.Image]], min_pixels: int, max_pixels: int,
+                 pixel_dtype: str, resize_mode: str) -> None:
         cfg, pc = self.config, self.processor_config
         patch, merge = cfg.patch_size, cfg.spatial_merge_size
         sizes, grids = [], []
@@ -530,21 +581,25 @@ class Ernie45VL(nn.Module):
             t = len(frames) + len(frames) % 2 if modality == "video" else 1
             sizes.append((h, w))
             grids.append((t, h // patch, w // patch))
-        rows = [t * gh * gw for t, gh, gw in grids]
-        pixels = torch.empty((sum(rows), cfg.in_channels * patch * patch), dtype=torch.float32)
-        mean, std = tuple(pc.image_mean), tuple(pc.image_std)
-        start = 0
-        for frames, (h, w), n in zip(media, sizes, rows, strict=True):
-            if modality == "image":
-                stack = _resize_pil(frames[0], h, w)[None]
-                table = _image_table(mean, std)
-            else:
-                if len(frames) % 2:
-                    frames = [*frames, frames[-1]]
-                stack = _resize_frames(np.stack([np.asarray(f) for f in frames]), h, w)
-                table = _video_table(mean, std)
-            _patchify_into(pixels[start:start + n], stack, table, patch=patch, merge=merge)
-            start += n
+        frame_rows = [gh * gw for _, gh, gw in grids]
+        total = sum(t * n for (t, _, _), n in zip(grids, frame_rows, strict=True))
+        dtype = torch.uint8 if pixel_dtype == "uint8" else torch.float32
+        pixels = torch.empty((total, cfg.in_channels * patch * patch), dtype=dtype)
+        # Each mode normalises with the arithmetic of the transformers processors it matches.
+        table = None if pixel_dtype == "uint8" else (
+            _pil_table if resize_mode == "exact" else _fused_table)(
+            tuple(pc.image_mean), tuple(pc.image_std), pc.rescale_factor)
+        rows, start = pixels.numpy(), 0
+        for frames, (h, w), n in zip(media, sizes, frame_rows, strict=True):
+            for frame in frames:
+                # [C, H, W]: the fast kernel's own contiguous planes, else a transposed view.
+                planes = resize(frame, h, w, mode=resize_mode, contiguous=False).transpose(2, 0, 1)
+                _patchify_into(rows[start:start + n], planes, table, patch=patch, merge=merge)
+                start += n
+            if modality == "video" and len(frames) % 2:
+                # An odd clip is padded with its last frame, already in place just above.
+                rows[start:start + n] = rows[start - n:start]
+                start += n
         values, grid_name = _FIELDS[modality]
         out[values] = pixels
         out[grid_name] = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
@@ -552,8 +607,9 @@ class Ernie45VL(nn.Module):
     # -- contract ------------------------------------------------------------------------
 
     def field_specs(self, outputs: Mapping[str, Any]) -> dict[str, FieldSpec]:
-        """Pixels split by the grid (``t·h·w`` rows per item); grids are per item and stay
-        on the host. Names exactly the fields present in ``outputs``."""
+        """Pixels split by the grid (``t·h·w`` rows per item), uint8 levels with the model's
+        :attr:`normalize`; grids are per item and stay on the host. Names exactly the fields
+        present in ``outputs``."""
         specs: dict[str, FieldSpec] = {}
         for modality, (values, grid_name) in _FIELDS.items():
             if outputs.get(grid_name) is None:
@@ -562,8 +618,11 @@ class Ernie45VL(nn.Module):
                 continue
             patches = torch.as_tensor(outputs[grid_name]).reshape(-1, 3).prod(-1)
             specs[grid_name] = FieldSpec.batched(modality, placement="host")
-            if outputs.get(values) is not None:
-                specs[values] = FieldSpec.flat_from_sizes(modality, patches)
+            pixels = outputs.get(values)
+            if pixels is not None:
+                levels = isinstance(pixels, torch.Tensor) and pixels.dtype == torch.uint8
+                specs[values] = FieldSpec.flat_from_sizes(
+                    modality, patches, normalize=self.normalize if levels else None)
         return specs
 
     def _tokens(self, t: int, h: int, w: int) -> int:
@@ -584,7 +643,8 @@ class Ernie45VL(nn.Module):
 
     def check_item(self, item: Mapping[str, Any]) -> None:
         """One integer grid row (t = 1 for an image, an even t for a video; h and w multiples
-        of the merge size) and floating-point pixels ``[t·h·w, C·P·P]``."""
+        of the merge size) and pixels ``[t·h·w, C·P·P]``: floating point, or uint8 whose spec
+        carries the model's :attr:`normalize` (an item without specs has no normalisation)."""
         modality = next((m for m, names in _FIELDS.items() if names[1] in item), None)
         if modality is None:
             raise ContractError("an item needs image_grid_thw or video_grid_thw",
@@ -602,10 +662,14 @@ class Ernie45VL(nn.Module):
         (t, h, w), cfg = rows[0], self.config
         width = cfg.in_channels * cfg.patch_size ** 2
         value = item.get(values)
-        if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+        if (not isinstance(value, torch.Tensor)
+                or not (value.is_floating_point() or value.dtype == torch.uint8)
                 or tuple(value.shape) != (t * h * w, width)):
-            raise ContractError(f"expected floating point [{t * h * w}, {width}] from {grid_name} "
-                                f"{(t, h, w)}, got {describe(value)}", field=values)
+            raise ContractError(f"expected floating point or uint8 [{t * h * w}, {width}] from "
+                                f"{grid_name} {(t, h, w)}, got {describe(value)}", field=values)
+        if value.dtype == torch.uint8:
+            spec = getattr(item, "specs", {}).get(values)
+            check_normalize(values, None if spec is None else spec.normalize, self.normalize)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """From the item's host grid: ``h·w / merge²`` for an image, ``t·h·w / (merge² ·
@@ -645,7 +709,7 @@ class Ernie45VL(nn.Module):
         if not rows:
             weight = self.resampler_model.mlp.weight
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        return self.resampler_model(self.vision_model(pixels, grid), grid)
+        return self.resampler_model(self.vision_model(pixels, grid, self.normalize), grid)
 
     def dummy_inputs(self) -> dict[str, torch.Tensor]:
         """Processor output for two small seeded images of different sizes and two videos

@@ -597,8 +597,9 @@ class LlavaOnevision2(nn.Module):
         levels = np.empty((sum(rows), self.config.num_channels * patch * patch), dtype=np.uint8)
         start = 0
         for frame, (h, w), n in zip(frames, sizes, rows, strict=True):
-            planes = resize(frame, h, w, mode=resize_mode, channels_first=True)
-            patchify_into(levels[start:start + n], planes, patch=patch, merge=merge)
+            pixels = resize(frame, h, w, mode=resize_mode, contiguous=False)
+            patchify_into(levels[start:start + n], pixels.transpose(2, 0, 1), patch=patch,
+                          merge=merge)
             start += n
         if pixel_dtype == "float32":
             # Reordered as uint8 first (a quarter of the bytes), then looked up.

@@ -1,18 +1,23 @@
 """MiniCPM-V 4.6: its image/video processor, field contract and vision encoder.
 
-The processor matches transformers' ``MiniCPMV4_6ImageProcessorPil`` (source image plus a grid
-of slices chosen by ``max_slice_nums`` and ``scale_resolution``, Pillow's bicubic filter, the
-NaViT ``[C, P, h·w·P]`` patch layout) and lays each image out the way vLLM 0.33 re-pads it:
-``(n_slices, C, P, L_max)``. A video is processed frame by frame, as vLLM does. The encoder
-is the SigLIP-NaViT vision tower with the window-attention merger after layer
-``insert_layer_id`` and the final 2×2 merger to the language model's width
-(``MiniCPMV4_6Model.get_image_features``), with transformers' parameter names.
+The processor matches transformers' ``MiniCPMV4_6ImageProcessor`` (torchvision,
+``resize_mode="fast"``) or ``MiniCPMV4_6ImageProcessorPil`` (``"exact"``): a source image
+plus a grid of slices chosen by ``max_slice_nums`` and ``scale_resolution``, the bicubic
+filter, the NaViT ``[C, P, h·w·P]`` patch layout; it lays each image out the way vLLM 0.33
+re-pads it: ``(n_slices, C, P, L_max)``. By default the pixels are uint8 levels whose spec
+carries the normalisation; the encoder folds it into the patch embedding. A video is
+processed frame by frame, as vLLM does. The encoder is the SigLIP-NaViT vision tower with the
+window-attention merger after layer ``insert_layer_id`` and the final 2×2 merger to the
+language model's width (``MiniCPMV4_6Model.get_image_features``), with transformers'
+parameter names.
 
 Placement: the slice sizes (``tgt_sizes``), the merger flags and the video frame sizes stay on
 the host. Everything derived from them (which patch rows are real, position ids, how slices
 group into equal-length attention batches, the output order) is host math; the derived
-indices go up in one upload per call. Slices of equal size attend in one batched call, so
-no padding mask exists; after the window merger the new sizes are the host's ``size // k``.
+indices go up in one upload per call. Only the real patch rows are gathered (the zero
+padding is never read, which matters for uint8 levels: with the folded bias level 0 is not
+a zero input), slices of equal size attend in one batched call, so no padding mask exists;
+after the window merger the new sizes are the host's ``size // k``.
 """
 
 from __future__ import annotations
@@ -32,10 +37,16 @@ from PIL import Image
 from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError
-from mmferry.fields import FieldSpec
+from mmferry.fields import FieldSpec, Normalize
 from mmferry.media import load_image, load_video
 from mmferry.media.arguments import as_images, as_videos
-from mmferry.models.blocks import describe
+from mmferry.media.resize import (
+    DEFAULT_PIXEL_DTYPE,
+    DEFAULT_RESIZE_MODE,
+    check_pixel_options,
+    resize,
+)
+from mmferry.models.blocks import PixelFold, check_normalize, describe
 from mmferry.models.checkpoint import read_json
 from mmferry.transfer import upload
 
@@ -281,46 +292,69 @@ def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...], rescale: f
     return table
 
 
-def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
-    if img.size != (width, height):
-        img = img.resize((width, height), Image.Resampling.BICUBIC)
-    return np.asarray(img)
+# A resized image and the (rows, columns) grid it is cut into: (1, 1) for the source image.
+Part = tuple[np.ndarray, tuple[int, int]]
 
 
-def _image_slices(img: Image.Image, max_slice_nums: int, scale_resolution: int, patch: int,
-                  mode: str, slice_mode: bool) -> list[np.ndarray]:
-    """The source image and its grid slices, uint8 ``[h, w, C]`` each, in the reference's
-    order (source, then slices row by row)."""
+def _image_parts(img: Image.Image, max_slice_nums: int, scale_resolution: int, patch: int,
+                 mode: str, slice_mode: bool, resize_mode: str) -> list[Part]:
+    """The source image, then (when it is sliced) the refined image and its grid, resized to
+    uint8 ``[h, w, C]``: the reference's slices in order are the source, then the refined
+    image's cells row by row."""
     width, height = img.size
     grid = slice_grid(height, width, max_slice_nums, scale_resolution) if slice_mode else None
     sh, sw = best_resize(height, width, scale_resolution, patch, mode, grid is None)
-    out = [_resize(img, sh, sw)]
+    # Pillow resizes its own image; torch an array, copied out of the image once for both.
+    source: Image.Image | np.ndarray = img
+    if resize_mode != "exact" and grid is not None:
+        source = np.array(img)
+    # Strided views are fine: the layout copies them into place in one pass.
+    parts = [(resize(source, sh, sw, mode=resize_mode, contiguous=False), (1, 1))]
     if grid is not None:
         rh, rw = refine_size(height, width, grid, scale_resolution, patch, mode)
-        refined = _resize(img, rh, rw)
-        ph, pw = rh // grid[0], rw // grid[1]
-        out += [refined[r * ph:(r + 1) * ph, c * pw:(c + 1) * pw]
-                for r in range(grid[0]) for c in range(grid[1])]
-    return out
+        parts.append((resize(source, rh, rw, mode=resize_mode, contiguous=False), grid))
+    return parts
 
 
-def _layout(slices: list[np.ndarray], patch: int, table: np.ndarray) -> tuple[torch.Tensor,
-                                                                              torch.Tensor]:
-    """Slices to vLLM's per-item layout: ``(n, C, P, L_max)`` float32, slice ``i`` holding
-    its ``h·w`` patches side by side along the last dimension (patch ``(r, c)`` at
-    ``(r·w + c)·P``), zero-padded to the longest; and the ``(n, 2)`` int64 patch grid."""
-    sizes = [(s.shape[0] // patch, s.shape[1] // patch) for s in slices]
-    channels = slices[0].shape[2]
+def _layout(parts: Sequence[Part], patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parts to vLLM's per-item layout, as uint8 levels: ``(n, C, P, L_max)``, slice ``i``
+    holding its ``h·w`` patches side by side along the last dimension (patch ``(r, c)`` at
+    ``(r·w + c)·P``), zero-padded to the longest; and the ``(n, 2)`` int64 patch grid.
+
+    All cells of one part have one size, so each part is one strided copy of its uint8
+    pixels straight into place: no per-slice array, no float copy."""
+    sizes: list[tuple[int, int]] = []
+    for pixels, (rows, cols) in parts:
+        cell = (pixels.shape[0] // rows // patch, pixels.shape[1] // cols // patch)
+        sizes += [cell] * (rows * cols)
+    channels = parts[0][0].shape[2]
     longest = max(h * w for h, w in sizes) * patch
-    out = torch.zeros((len(slices), channels, patch, longest), dtype=torch.float32)
-    dest = out.numpy()
-    for i, (s, (h, w)) in enumerate(zip(slices, sizes, strict=True)):
-        # [h, P, w, P, C] -> [C, P(row in patch), h, w, P(column in patch)]
-        ordered = s.reshape(h, patch, w, patch, channels).transpose(4, 1, 0, 2, 3)
-        ordered = ordered.reshape(channels, patch, h * w * patch)
-        for c in range(channels):
-            np.take(table[c], ordered[c], out=dest[i, c, :, :h * w * patch], mode="clip")
-    return out, torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2)
+    out = np.empty((len(sizes), channels, patch, longest), dtype=np.uint8)
+    first = 0
+    for pixels, (rows, cols) in parts:
+        h, w = sizes[first]
+        count, length = rows * cols, h * w * patch
+        # [rows, h, P, cols, w, P, C] -> [rows, cols, C, P (row in patch), h, w, P (column)]
+        cells = pixels.reshape(rows, h, patch, cols, w, patch, channels)
+        dest = out[first:first + count, :, :, :length].reshape(
+            rows, cols, channels, patch, h, w, patch, copy=False)
+        np.copyto(dest, cells.transpose(0, 3, 6, 2, 1, 4, 5))
+        out[first:first + count, :, :, length:] = 0
+        first += count
+    return torch.from_numpy(out), torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2)
+
+
+def _normalised(levels: torch.Tensor, sizes: torch.Tensor, patch: int,
+                table: np.ndarray) -> torch.Tensor:
+    """uint8 levels of :func:`_layout` to transformers' float32 values (padding stays 0)."""
+    channels = levels.shape[1]
+    out = np.empty(tuple(levels.shape), dtype=np.float32)
+    src = levels.numpy()
+    for c in range(channels):
+        np.take(table[c], src[:, c], out=out[:, c], mode="clip")
+    for i, length in enumerate((sizes[:, 0] * sizes[:, 1] * patch).tolist()):
+        out[i, :, :, length:] = 0
+    return torch.from_numpy(out)
 
 
 # -- encoder ----------------------------------------------------------------------------
@@ -412,6 +446,8 @@ class Embeddings(nn.Module):
         super().__init__()
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size,
                                          stride=cfg.patch_size)
+        # The patch embedding with the processor's normalisation folded in, for uint8 levels.
+        self.patch_fold = PixelFold()
         side = cfg.image_size // cfg.patch_size
         self.position_embedding = nn.Embedding(side * side, cfg.hidden_size)
 
@@ -524,6 +560,18 @@ def _size_rows(name: str, value: Any) -> list[list[tuple[int, int]]]:
     return [[(int(h), int(w)) for h, w in item] for item in rows]
 
 
+def _is_uint8(name: str, pixels: Any) -> bool:
+    """Whether pixels (a tensor or a list of them) are uint8 levels rather than floating
+    values; one kind only."""
+    values = [pixels] if isinstance(pixels, torch.Tensor) else list(pixels)
+    kinds = {p.dtype == torch.uint8 if isinstance(p, torch.Tensor) and (
+        p.dtype == torch.uint8 or p.is_floating_point()) else None for p in values}
+    if None in kinds or len(kinds) > 1:
+        raise ContractError(f"expected uint8 or floating point pixels, all of one kind, got "
+                            f"{sorted({describe(p) for p in values})}", field=name)
+    return kinds == {True}
+
+
 def _flag_rows(name: str, value: Any, items: int, default: bool) -> list[bool]:
     """Per item, whether its slices go through the window merger (host values)."""
     if value is None:
@@ -576,6 +624,12 @@ class MiniCPMV46(nn.Module):
         self.hidden_size = config.text_hidden_size
         self.vision_tower = VisionTower(config)
         self.merger = Merger(config)
+        pc = self.processor_config
+        channels = len(pc.image_mean)
+        #: What the uint8 pixel levels stand for: transformers' rescale then normalise.
+        self.normalize = Normalize(pc.image_mean if pc.do_normalize else (0.0,) * channels,
+                                   pc.image_std if pc.do_normalize else (1.0,) * channels,
+                                   pc.rescale_factor if pc.do_rescale else 1.0)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None,
@@ -597,16 +651,23 @@ class MiniCPMV46(nn.Module):
 
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   max_slice_nums: int | None = None, scale_resolution: int | None = None,
-                  downsample_mode: str | None = None,
-                  **kwargs: Any) -> dict[str, Any]:
+                  downsample_mode: str | None = None, pixel_dtype: str = DEFAULT_PIXEL_DTYPE,
+                  resize_mode: str = DEFAULT_RESIZE_MODE, **kwargs: Any) -> dict[str, Any]:
         """Images and videos to vLLM 0.33's MiniCPM-V 4.6 fields.
 
-        Images: ``pixel_values`` (per image ``(n_slices, C, P, L_max)`` float32: the source
-        image, then its grid slices row by row), ``tgt_sizes`` (per image ``(n_slices, 2)``
-        int64 patch rows and columns) and ``use_vit_merger`` (per image ``(1,)`` bool).
-        Videos, frame by frame with the video slice limit: ``video_pixel_values``,
-        ``video_tgt_sizes`` (all frames' slices), ``video_image_sizes`` (per frame
-        ``[width, height]``) and ``video_use_vit_merger``.
+        Images: ``pixel_values`` (per image ``(n_slices, C, P, L_max)``: the source image,
+        then its grid slices row by row, zero-padded to the longest), ``tgt_sizes`` (per image
+        ``(n_slices, 2)`` int64 patch rows and columns) and ``use_vit_merger`` (per image
+        ``(1,)`` bool). Videos, frame by frame with the video slice limit:
+        ``video_pixel_values``, ``video_tgt_sizes`` (all frames' slices),
+        ``video_image_sizes`` (per frame ``[width, height]``) and ``video_use_vit_merger``.
+
+        ``pixel_dtype="uint8"`` (the default) gives the resized pixel levels, not normalised,
+        and the pixel fields' specs carry :attr:`normalize`, which the encoder folds into its
+        patch embedding; ``"float32"`` gives transformers' normalised values (padding 0).
+        ``resize_mode="fast"`` (the default) resizes as transformers' torchvision processor
+        (``MiniCPMV4_6ImageProcessor``, vLLM's default), ``"exact"`` as its PIL processor
+        (``MiniCPMV4_6ImageProcessorPil``), bit for bit in float32.
 
         ``max_slice_nums`` (images only, as in vLLM), ``scale_resolution`` and
         ``downsample_mode`` ("16x" or "4x") override the checkpoint's processor settings.
@@ -618,8 +679,9 @@ class MiniCPMV46(nn.Module):
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; {self.name} "
-                                "takes max_slice_nums, scale_resolution and downsample_mode",
-                                argument=sorted(kwargs)[0])
+                                "takes max_slice_nums, scale_resolution, downsample_mode, "
+                                "pixel_dtype and resize_mode", argument=sorted(kwargs)[0])
+        check_pixel_options(pixel_dtype, resize_mode)
         if audios is not None:
             raise ArgumentError(f"{self.name} takes images and videos, not audio",
                                 argument="audios")
@@ -633,17 +695,24 @@ class MiniCPMV46(nn.Module):
         mode = _check_mode(downsample_mode or pc.downsample_mode)
         resolution = scale_resolution or pc.scale_resolution
         flag = mode != "4x" and self.config.insert_layer_id >= 0
-        table = _normalise_table(pc.image_mean, pc.image_std,
-                                 pc.rescale_factor if pc.do_rescale else None, pc.do_normalize)
+        patch = pc.patch_size
         out: dict[str, Any] = {}
 
-        def slices(img: Image.Image, limit: int) -> list[np.ndarray]:
-            return _image_slices(img, limit, resolution, pc.patch_size, mode, pc.slice_mode)
+        def lay(parts: Sequence[Part]) -> tuple[torch.Tensor, torch.Tensor]:
+            levels, sizes = _layout(parts, patch)
+            if pixel_dtype == "uint8":
+                return levels, sizes
+            table = _normalise_table(pc.image_mean, pc.image_std,
+                                     pc.rescale_factor if pc.do_rescale else None,
+                                     pc.do_normalize)
+            return _normalised(levels, sizes, patch, table), sizes
+
+        def parts(img: Image.Image, limit: int) -> list[Part]:
+            return _image_parts(img, limit, resolution, patch, mode, pc.slice_mode, resize_mode)
 
         images = [load_image(x, index=i) for i, x in enumerate(as_images(images))]
         if images:
-            laid = [_layout(slices(img, max_slice_nums or pc.max_slice_nums), pc.patch_size,
-                            table) for img in images]
+            laid = [lay(parts(img, max_slice_nums or pc.max_slice_nums)) for img in images]
             out["pixel_values"] = [p for p, _ in laid]
             out["tgt_sizes"] = [s for _, s in laid]
             out["use_vit_merger"] = torch.full((len(images), 1), flag, dtype=torch.bool)
@@ -651,8 +720,7 @@ class MiniCPMV46(nn.Module):
         if videos:
             pixels, sizes, frame_sizes = [], [], []
             for frames in videos:
-                cut = [s for f in frames for s in slices(f, pc.video_max_slice_nums)]
-                p, s = _layout(cut, pc.patch_size, table)
+                p, s = lay([part for f in frames for part in parts(f, pc.video_max_slice_nums)])
                 pixels.append(p)
                 sizes.append(s)
                 frame_sizes.append(torch.tensor([f.size for f in frames], dtype=torch.int64))
@@ -692,7 +760,9 @@ class MiniCPMV46(nn.Module):
                 if names.get(key) in present:
                     specs[names[key]] = FieldSpec.batched(modality, placement="host")
             if names["pixels"] in present:
-                specs[names["pixels"]] = FieldSpec.batched(modality)
+                levels = _is_uint8(names["pixels"], outputs[names["pixels"]])
+                specs[names["pixels"]] = FieldSpec.batched(
+                    modality, normalize=self.normalize if levels else None)
             if names["embeds"] in present:
                 sizes = _size_rows(sizes_name, outputs[sizes_name])
                 flags = _flag_rows(names["flag"], outputs.get(names["flag"]), len(sizes),
@@ -721,9 +791,11 @@ class MiniCPMV46(nn.Module):
 
     def check_item(self, item: Mapping[str, Any]) -> None:
         """Slice sizes ``(n, 2)`` of positive multiples of the merges the item goes through;
-        pixels ``(n, C, P, L)`` floating point with every slice's patches within ``L``, or
-        embeddings ``[tokens, hidden]``; one flag; video frame sizes ``(frames, 2)`` that
-        divide the slices evenly."""
+        pixels ``(n, C, P, L)`` with every slice's patches within ``L``, floating point or
+        uint8 levels whose spec carries :attr:`normalize` (an :class:`~mmferry.items.Item`'s
+        specs; a plain mapping has none, so its uint8 pixels are refused), or embeddings
+        ``[tokens, hidden]``; one flag; video frame sizes ``(frames, 2)`` that divide the
+        slices evenly."""
         names = _FIELDS[self._modality_of(item.keys())]
         sizes_name = names["sizes"]
         sizes = item.get(sizes_name)
@@ -756,13 +828,20 @@ class MiniCPMV46(nn.Module):
             cfg = self.config
             p = item[pixels_name]
             longest = max(h * w for h, w in rows) * cfg.patch_size
-            if (not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.ndim != 4
+            if (not isinstance(p, torch.Tensor) or p.ndim != 4
+                    or not (p.is_floating_point() or p.dtype == torch.uint8)
                     or tuple(p.shape[:3]) != (len(rows), cfg.num_channels, cfg.patch_size)
                     or p.shape[3] < longest or p.shape[3] % cfg.patch_size):
                 raise ContractError(
-                    f"expected floating point [{len(rows)}, {cfg.num_channels}, "
+                    f"expected uint8 or floating point [{len(rows)}, {cfg.num_channels}, "
                     f"{cfg.patch_size}, L >= {longest}] with L a multiple of "
                     f"{cfg.patch_size}, got {describe(p)}", field=pixels_name)
+            if p.dtype == torch.uint8:
+                # A plain mapping has no specs, so nothing says what its levels stand for.
+                specs = getattr(item, "specs", None)
+                spec = specs.get(pixels_name) if isinstance(specs, Mapping) else None
+                check_normalize(pixels_name, spec.normalize if spec is not None else None,
+                                self.normalize)
         else:
             e = item[embeds_name]
             tokens = self._item_tokens(rows, merged)
@@ -825,13 +904,14 @@ class MiniCPMV46(nn.Module):
             if any(h < 1 or w < 1 or h % dh or w % dw for h, w in s):
                 raise ContractError(f"item {i}: slice grids {s} are not positive multiples "
                                     f"of ({dh}, {dw})", field=sizes_name)
+        levels = _is_uint8(pixels_name, pixels)
         weight = self.vision_tower.embeddings.patch_embedding.weight
         if tokens == 0:
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        return self._forward(pixels, sizes, flags)
+        return self._forward(pixels, sizes, flags, levels)
 
     def _forward(self, pixels: list[torch.Tensor], sizes: list[list[tuple[int, int]]],
-                 flags: list[bool]) -> torch.Tensor:
+                 flags: list[bool], levels: bool) -> torch.Tensor:
         cfg = self.config
         patch = cfg.patch_size
         tower = self.vision_tower
@@ -876,13 +956,18 @@ class MiniCPMV46(nn.Module):
         positions_d = indices[len(gather):len(gather) + len(positions)]
 
         # Patch rows [Σ slices·L/P, C·P·P] in (channel, row, column) order, the real ones
-        # gathered, then the patch embedding as one matmul.
+        # gathered (padding is never read: a folded bias would make its zero levels count),
+        # cast, then the patch embedding as one matmul: uint8 levels through the weight and
+        # bias with the normalisation folded in, floating values through the checkpoint's.
         channels = cfg.num_channels
+        bias = tower.embeddings.patch_embedding.bias
+        if levels:
+            weight, bias = tower.embeddings.patch_fold(weight, bias, self.normalize, 1)
         rows = [p.reshape(p.shape[0], channels, patch, p.shape[3] // patch, patch)
                 .permute(0, 3, 1, 2, 4).reshape(-1, channels * patch * patch) for p in pixels]
-        flat = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(weight.dtype)
-        x = F.linear(flat.index_select(0, gather_d), weight.reshape(weight.shape[0], -1),
-                     tower.embeddings.patch_embedding.bias)
+        flat = rows[0] if len(rows) == 1 else torch.cat(rows)
+        x = F.linear(flat.index_select(0, gather_d).to(weight.dtype),
+                     weight.reshape(weight.shape[0], -1), bias)
         x = x + F.embedding(positions_d, tower.embeddings.position_embedding.weight)
 
         for layer_id, layer in enumerate(tower.encoder.layers[:cfg.depth]):

@@ -40,7 +40,9 @@ from mmferry.server.metrics import EncodeMetrics, exposition
 from mmferry.server.render import content_type, parse_media_request
 from mmferry.server.worker import render_media
 
-__all__ = ["EncodeConfig", "EncoderOwner", "compat_of", "create_app"]
+__all__ = ["EncodeConfig", "EncoderOwner", "Outcome", "answer", "compat_of", "create_app",
+           "encode_items", "probe_encode", "screen", "smallest_dummy_item",
+           "wants_frames_answer"]
 
 
 @dataclass(frozen=True)
@@ -238,14 +240,94 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def screen(model: EncoderModel, items: list[Item], cfg: EncodeConfig
+           ) -> tuple[list[Outcome | None], list[int]]:
+    """Check each item before it may reach the encoder: its hash is its content's (the cache
+    is shared by every client: a key is ours, never the sender's claim), the model accepts
+    it, it fits a batch and the cache. Per item an error :class:`Outcome` (refused) or
+    ``None`` (to encode), and the token counts of the items to encode, in order."""
+    outcomes: list[Outcome | None] = [None] * len(items)
+    tokens = []
+    for i, item in enumerate(items):
+        claimed = item.hash
+        try:
+            actual = hash_item(item.modality, item, item.specs)
+            if actual != claimed:
+                raise ServerError(422, "hash_mismatch", f"item hash {claimed[:16]}... is not "
+                                  f"its content's ({actual[:16]}...)", i)
+            model.check_item(item)
+            n = int(model.tokens_per_item(item))
+            if n > cfg.max_batch_tokens or n > cfg.cache_max_tokens:
+                raise ServerError(413, "item_too_large", f"{n} tokens, more than "
+                                  f"--max-batch-tokens / the cache", i)
+        except (MmferryError, ServerError) as e:
+            outcomes[i] = Outcome(claimed, "error", error=from_exception(e, item=i))
+            continue
+        tokens.append(n)
+    return outcomes, tokens
+
+
+async def encode_items(owner: EncoderOwner, model: EncoderModel, items: list[Item],
+                       cfg: EncodeConfig, metrics: EncodeMetrics) -> list[Outcome]:
+    """Screen ``items``, encode the good ones on ``owner`` (one job), one outcome per item."""
+    metrics.embedding_bytes.labels(cfg.model, "in").inc(sum(it.nbytes for it in items))
+    outcomes, tokens = screen(model, items, cfg)
+    where = [i for i, o in enumerate(outcomes) if o is None]
+    if where:
+        done = await asyncio.wrap_future(owner.submit([items[i] for i in where], tokens))
+        for i, outcome in zip(where, done, strict=True):
+            if outcome.error is not None:
+                outcome.error.item = i
+            outcomes[i] = outcome
+    for o in outcomes:
+        assert o is not None
+        metrics.items.labels(cfg.model, o.status).inc()
+    return outcomes  # type: ignore[return-value]
+
+
+def wants_frames_answer(accept: str) -> bool:
+    """Frames unless the client asks for JSON only."""
+    return MEDIA_TYPE in accept or "application/json" not in accept
+
+
+def answer(outcomes: list[Outcome], compat: dict[str, Any], *, frames: bool
+           ) -> tuple[dict[str, Any], list[memoryview]]:
+    """The answer's metadata (``compat``, per-item ``items``) and, with ``frames``, one
+    embedding buffer per encoded item (the frames after the metadata frame)."""
+    results, buffers = [], []
+    for o in outcomes:
+        entry: dict[str, Any] = {"hash": o.hash, "status": o.status, "num_tokens": o.num_tokens}
+        if o.error is not None:
+            entry["error"] = o.error.body()["error"]
+        elif frames and o.rows is not None:
+            entry.update(dtype=_dtype_name(o.rows), shape=list(o.rows.shape),
+                         frame=len(buffers) + 1)
+            buffers.append(_rows_frame(o.rows))
+        results.append(entry)
+    return {"compat": compat, "items": results}, buffers
+
+
+def smallest_dummy_item(model: EncoderModel) -> Item:
+    """The health probe's item: the cheapest of the model's dummy inputs."""
+    dummy = model.dummy_inputs()
+    return min(split_items(dummy, model.field_specs(dummy)).in_order(), key=model.tokens_per_item)
+
+
+def probe_encode(runner: EncoderRunner, item: Item) -> int:
+    """Encode ``item`` with ``runner``'s model and transfer but a throwaway cache (a health
+    probe must not evict or pin real entries); its row count. Call on the owner thread."""
+    probe = EncoderRunner(runner.model, EncoderCache(max_tokens=1 << 16), device=runner.device,
+                          transfer=runner.transfer)
+    (rows,) = probe.encode([item])
+    return int(rows.shape[0])
+
+
 def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> FastAPI:
     metrics = EncodeMetrics.create(cfg.model)
     runner = EncoderRunner(model, EncoderCache(max_tokens=cfg.cache_max_tokens), device=device,
                            max_tokens_per_step=cfg.max_batch_tokens)
     compat = compat_of(model, cfg.model, cfg.weights_revision)
-    dummy = model.dummy_inputs()
-    health_item = min(split_items(dummy, model.field_specs(dummy)).in_order(),
-                      key=model.tokens_per_item)
+    health_item = smallest_dummy_item(model)
     state: dict[str, Any] = {"owner": None}
 
     @asynccontextmanager
@@ -302,62 +384,18 @@ def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> 
             items = await items_of(request)
         except MmferryError as e:
             raise from_exception(e) from None
-        metrics.embedding_bytes.labels(cfg.model, "in").inc(sum(it.nbytes for it in items))
-        outcomes: list[Outcome | None] = [None] * len(items)
-        good, tokens, where = [], [], []
-        for i, item in enumerate(items):
-            claimed = item.hash
-            try:
-                # The cache is shared by every client: a key is ours, never the sender's claim.
-                actual = hash_item(item.modality, item, item.specs)
-                if actual != claimed:
-                    raise ServerError(422, "hash_mismatch", f"item hash {claimed[:16]}... is not "
-                                      f"its content's ({actual[:16]}...)", i)
-                model.check_item(item)
-                n = int(model.tokens_per_item(item))
-                if n > cfg.max_batch_tokens or n > cfg.cache_max_tokens:
-                    raise ServerError(413, "item_too_large", f"{n} tokens, more than "
-                                      f"--max-batch-tokens / the cache", i)
-            except (MmferryError, ServerError) as e:
-                err = from_exception(e, item=i)
-                outcomes[i] = Outcome(claimed, "error", error=err)
-                continue
-            good.append(item)
-            tokens.append(n)
-            where.append(i)
-        if good:
-            done = await asyncio.wrap_future(owner().submit(good, tokens))
-            for i, outcome in zip(where, done, strict=True):
-                if outcome.error is not None:
-                    outcome.error.item = i
-                outcomes[i] = outcome
-        for o in outcomes:
-            assert o is not None
-            metrics.items.labels(cfg.model, o.status).inc()
+        outcomes = await encode_items(owner(), model, items, cfg, metrics)
         # Frames unless the client asks for JSON only.
-        accept = request.headers.get("accept", "")
-        frames = MEDIA_TYPE in accept or "application/json" not in accept
-        response = _answer(outcomes, compat, frames=frames)  # type: ignore[arg-type]
+        frames = wants_frames_answer(request.headers.get("accept", ""))
+        body, buffers = answer(outcomes, compat, frames=frames)
+        if frames:
+            metrics.embedding_bytes.labels(cfg.model, "out").inc(sum(b.nbytes for b in buffers))
+            response: Response = Response(b"".join(encode_body([pack_meta(body), *buffers])),
+                                          media_type=MEDIA_TYPE)
+        else:
+            response = JSONResponse(body)
         metrics.latency.labels(cfg.model).observe(time.perf_counter() - start)
         return response
-
-    def _answer(outcomes: list[Outcome], compat: dict[str, Any], *, frames: bool) -> Response:
-        results, buffers = [], []
-        for o in outcomes:
-            entry: dict[str, Any] = {"hash": o.hash, "status": o.status, "num_tokens": o.num_tokens}
-            if o.error is not None:
-                entry["error"] = o.error.body()["error"]
-            elif frames and o.rows is not None:
-                entry.update(dtype=_dtype_name(o.rows), shape=list(o.rows.shape),
-                             frame=len(buffers) + 1)
-                buffers.append(_rows_frame(o.rows))
-            results.append(entry)
-        body = {"compat": compat, "items": results}
-        if not frames:
-            return JSONResponse(body)
-        out = b"".join(encode_body([pack_meta(body), *buffers]))
-        metrics.embedding_bytes.labels(cfg.model, "out").inc(sum(b.nbytes for b in buffers))
-        return Response(out, media_type=MEDIA_TYPE)
 
     @app.post("/v1/embeddings:lookup")
     async def lookup(request: Request) -> Response:
@@ -391,15 +429,9 @@ def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        def tiny_encode() -> int:
-            # A throwaway cache: a health probe must not evict or pin real entries.
-            probe = EncoderRunner(model, EncoderCache(max_tokens=1 << 16), device=device,
-                                  transfer=runner.transfer)
-            (rows,) = probe.encode([health_item])
-            return int(rows.shape[0])
-
         try:
-            rows = await asyncio.wait_for(asyncio.wrap_future(owner().call(tiny_encode)), 30)
+            rows = await asyncio.wait_for(asyncio.wrap_future(owner().call(
+                lambda: probe_encode(runner, health_item))), 30)
         except Exception as e:
             return JSONResponse(ServerError(503, "unhealthy", f"{type(e).__name__}: {e}").body(),
                                 status_code=503)
