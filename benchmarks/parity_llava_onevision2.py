@@ -12,9 +12,10 @@ from vLLM's own modules, only the matmul kernel is torch's.
 
 Checks, each printed with its numbers:
 
-1. processor: our ``pixel_values`` / ``image_grid_thw`` against transformers'
-   ``Qwen2VLImageProcessor`` (the class vLLM's ``_load_ov2_processor`` builds) with OV2's
-   settings (patch 14, merge 2, temporal patch 1), for several sizes and aspect ratios;
+1. processor: our ``pixel_values`` (``pixel_dtype="float32"``, the default ``"fast"``
+   resize) / ``image_grid_thw`` against transformers' ``Qwen2VLImageProcessor`` (the class
+   vLLM's ``_load_ov2_processor`` builds) with OV2's settings (patch 14, merge 2, temporal
+   patch 1), for several sizes and aspect ratios;
    ``patch_positions`` against a transcription of the checkpoint's ``build_patch_positions``;
    video frames through vLLM's own ``_frame_video_to_pil_and_timestamps`` and
    ``_pack_timestamps`` (padding to an even count, timestamps);
@@ -25,7 +26,9 @@ Checks, each printed with its numbers:
    reads;
 4. encoder: our embeddings against vLLM's ``LlavaOnevision2VisionTower`` on the same weights,
    tiny and at the published width (depth 2), for images, video frames and a grid with
-   t > ``frame_windows_size`` (windowed attention with a short last window).
+   t > ``frame_windows_size`` (windowed attention with a short last window); processor
+   cases both as float32 pixels and as our default uint8 levels (the normalisation folded
+   into the patch embedding), vLLM's tower on the float32 pixels.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def check_processor(ov2: object) -> None:
     sizes = [(480, 640), (1080, 1920), (50, 700), (900, 300), (28, 28), (1500, 1500)]
     for i, (h, w) in enumerate(sizes):
         img = Image.fromarray(photo(h, w, i))
-        ours = model.processor(images=[img])
+        ours = model.processor(images=[img], pixel_dtype="float32")
         ref = hf(images=[img], return_tensors="pt")
         grid_ok = torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
         diff = (ours["pixel_values"] - ref["pixel_values"]).abs().max().item()
@@ -101,7 +104,7 @@ def check_processor(ov2: object) -> None:
     frames = np.stack([photo(360, 640, 10 + t) for t in range(5)])
     pil, stamps = ov2._frame_video_to_pil_and_timestamps((frames, {"fps": 2.0}))
     ref = hf(images=pil, return_tensors="pt")
-    ours = model.processor(videos=[frames], fps=2.0)
+    ours = model.processor(videos=[frames], fps=2.0, pixel_dtype="float32")
     diff = (ours["pixel_values_videos"] - ref["pixel_values"]).abs().max().item()
     same = (torch.equal(ours["video_grid_thw"], ref["image_grid_thw"])
             and torch.equal(ours["frame_timestamps"], ov2._pack_timestamps([stamps]))
@@ -169,11 +172,14 @@ def check_encoder(ov2: object, label: str, cfg: VisionConfig) -> None:
     merge = cfg.spatial_merge_size
     cases = []
     for i, (h, w) in enumerate(((224, 224), (336, 504), (140, 700))):
-        out = model.processor(images=[photo(h, w, 20 + i)], max_pixels=448 * 448)
-        cases.append((f"image {h}x{w}", out))
-    vid = model.processor(videos=[np.stack([photo(224, 308, 30 + t) for t in range(3)])],
-                          max_pixels=448 * 448)
-    cases.append(("video 3->4 frames 224x308", vid))
+        for dtype in ("float32", "uint8"):
+            out = model.processor(images=[photo(h, w, 20 + i)], max_pixels=448 * 448,
+                                  pixel_dtype=dtype)
+            cases.append((f"image {h}x{w} {dtype}", out))
+    video = [np.stack([photo(224, 308, 30 + t) for t in range(3)])]
+    for dtype in ("float32", "uint8"):
+        vid = model.processor(videos=video, max_pixels=448 * 448, pixel_dtype=dtype)
+        cases.append((f"video 3->4 frames 224x308 {dtype}", vid))
     rng = torch.Generator().manual_seed(0)
     grid = torch.tensor([[6, 4, 6], [1, 8, 4]])
     n = int(grid.prod(-1).sum())
@@ -187,6 +193,10 @@ def check_encoder(ov2: object, label: str, cfg: VisionConfig) -> None:
                  if "video_grid_thw" in fields else
                  ("pixel_values", "image_grid_thw", "patch_positions"))
         pixels, grid, positions = (fields[k] for k in names)
+        if pixels.dtype == torch.uint8:  # vLLM's tower takes what transformers gives
+            a, b = model.normalize.affine()
+            pixels = (pixels.double().view(len(pixels), 3, -1) * a[:, None] + b[:, None]
+                      ).float().view(len(pixels), -1)
         with torch.no_grad():
             ours = model.encode(**fields)
             ref = tower(pixels, grid, positions)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
@@ -61,6 +62,7 @@ def test_rows_that_disagree_with_their_grid_fail_alone_and_poison_nothing(qwen) 
 @pytest.mark.parametrize("field, value, why", [
     ("pixel_values", lambda it: it["pixel_values"][:, :-1], "width"),
     ("pixel_values", lambda it: it["pixel_values"].to(torch.int32), "integer pixels"),
+    ("pixel_values", lambda it: it["pixel_values"], "levels without their normalisation"),
     ("pixel_values", lambda it: it["pixel_values"][None], "rank"),
     ("image_grid_thw", lambda it: it["image_grid_thw"].float(), "float grid"),
     ("image_grid_thw", lambda it: torch.tensor([1, 3, 4]), "odd grid"),
@@ -68,7 +70,12 @@ def test_rows_that_disagree_with_their_grid_fail_alone_and_poison_nothing(qwen) 
 ])
 def test_every_malformed_field_is_rejected_alone(qwen, field, value, why) -> None:
     a, b, c = _images(qwen)
-    broken = mf.Item("image", {**a, field: value(a)}, a.specs)
+    specs = a.specs
+    if why in ("integer pixels", "levels without their normalisation"):
+        # A spec that declares no normalisation: the item may hold any dtype; only uint8
+        # levels with the model's own normalisation, or floats, are the model's input.
+        specs = {**specs, field: replace(specs[field], normalize=None)}
+    broken = mf.Item("image", {**a, field: value(a)}, specs)
     runner = mf.EncoderRunner(qwen)
     outs = runner.encode([b, broken, c])
     assert outs[1] is None, why

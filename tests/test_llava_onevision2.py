@@ -15,9 +15,11 @@ environment. Where each expectation comes from:
   and ``build_patch_positions`` (``video_processing_llava_onevision2.py``), transcribed in
   :func:`remote_patch_positions`.
 * transformers 5.24 ``Qwen2VLImageProcessorPil`` for the patch order, normalisation and the
-  resize grid. vLLM builds the torchvision ``Qwen2VLImageProcessor``, which needs torchvision;
-  bit equality with it (and with vLLM's own tower, frame backend and field factory) is checked
-  by ``benchmarks/parity_llava_onevision2.py`` in the vLLM venv.
+  resize grid (``resize_mode="exact"``, float32: bit for bit), and its torchvision
+  ``Qwen2VLImageProcessor``, the one vLLM builds, for ``resize_mode="fast"`` where
+  torchvision is installed (it is not in the test extra). Bit equality with vLLM's own tower,
+  frame backend and field factory is checked by ``benchmarks/parity_llava_onevision2.py`` in
+  the vLLM venv.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 import mmferry as mf
 from mmferry.errors import ArgumentError, CheckpointError, ContractError, MediaError
+from mmferry.media.samples import photo_like
 from mmferry.models import llava_onevision2 as ov2
 
 NAME = "llava-onevision2"
@@ -53,6 +56,8 @@ PREPROCESSOR = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 64, "patch_size":
                 "merge_size": 2, "temporal_patch_size": 1,
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 SMALL = {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 64}
+# transformers' pixels: normalised float32, resized by Pillow.
+PIL_PIXELS = {"pixel_dtype": "float32", "resize_mode": "exact"}
 
 
 def rgb(h: int, w: int, seed: int) -> np.ndarray:
@@ -62,6 +67,11 @@ def rgb(h: int, w: int, seed: int) -> np.ndarray:
 def hf_processor(**kwargs: object) -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=1,
                                     **kwargs)
+
+
+def photo(h: int, w: int, seed: int) -> np.ndarray:
+    """Photo-like pixels (gradients, shapes, mild noise): what resamplers are built for."""
+    return photo_like(h, w, seed)
 
 
 def remote_patch_positions(grid: torch.Tensor, merge: int) -> torch.Tensor:
@@ -145,45 +155,53 @@ def model() -> ov2.LlavaOnevision2:
 @pytest.mark.parametrize("sizes", [[(56, 84)], [(112, 56), (84, 84), (56, 140)]])
 def test_images_without_resize_match_transformers_patches(sizes: list[tuple[int, int]]) -> None:
     """Sizes already multiples of 28 within the bounds: no resize, so pixel rows (merge-block
-    order, C·P·P columns) and grids equal transformers' up to float32 rounding (transformers
-    rescales then normalises, we fuse the two as the torchvision backend does)."""
+    order, C·P·P columns) and grids equal transformers' PIL processor's bit for bit (its
+    rescale-then-normalise arithmetic)."""
     m = mf.models.load(NAME)
     images = [rgb(h, w, i) for i, (h, w) in enumerate(sizes)]
-    ours = m.processor(images=images, **SMALL)
+    ours = m.processor(images=images, **SMALL, **PIL_PIXELS)
     ref = hf_processor(**SMALL)(images=images, return_tensors="pt")
     assert torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
     assert ours["pixel_values"].shape == (sum(h * w for h, w in sizes) // 196, 3 * 14 * 14)
-    torch.testing.assert_close(ours["pixel_values"], ref["pixel_values"], atol=1e-6, rtol=0)
+    assert ours["pixel_values"].dtype == torch.float32
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
     assert torch.equal(ours["patch_positions"], remote_patch_positions(ref["image_grid_thw"], 2))
 
 
 @pytest.mark.parametrize("hw", [(480, 640), (50, 700), (900, 300), (20, 20), (1300, 1000)])
 def test_resized_images_take_transformers_grid(hw: tuple[int, int]) -> None:
-    """smart_resize decides the grid exactly; the pixels differ from transformers' PIL
-    bicubic only by the resampling kernel (torchvision's in vLLM), a few uint8 levels."""
+    """smart_resize decides the grid exactly; the exact mode's pixels are transformers' PIL
+    processor's bit for bit, the fast mode's (torchvision's kernel, vLLM's) differ from them
+    by the resampling kernel only."""
     m = mf.models.load(NAME)
-    image = rgb(*hw, seed=7)
+    image = photo(*hw, seed=7)
     bounds = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256}
-    ours = m.processor(images=image, **bounds)
+    ours = m.processor(images=image, **bounds, **PIL_PIXELS)
     ref = hf_processor(**bounds)(images=[image], return_tensors="pt")
     assert torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
     (t, h, w), = ref["image_grid_thw"].tolist()
     assert ours["pixel_values"].shape == ref["pixel_values"].shape == (t * h * w, 588)
     assert ours["patch_positions"].shape == (t * h * w, 3)
-    assert (ours["pixel_values"] - ref["pixel_values"]).abs().mean() < 0.05
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+    fast = m.processor(images=image, **bounds, pixel_dtype="float32")
+    assert torch.equal(fast["image_grid_thw"], ref["image_grid_thw"])
+    assert (fast["pixel_values"] - ref["pixel_values"]).abs().mean() < 0.05
 
 
 def test_patch_positions_name_each_patch() -> None:
     """Each row's (t, h, w) is where its pixels come from: patch (i, j) of an unresized image
-    is painted red = i, green = j, and the normalised value of each row's first red and green
-    pixel decodes back to its position."""
+    is painted red = i, green = j, and each row's first red and green level (and, in float32,
+    the normalised value) decodes back to its position."""
     m = mf.models.load(NAME)
     gh, gw = 4, 6
     image = np.zeros((gh * 14, gw * 14, 3), dtype=np.uint8)
     for i in range(gh):
         for j in range(gw):
             image[i * 14:(i + 1) * 14, j * 14:(j + 1) * 14] = (10 * i, 10 * j, 0)
-    out = m.processor(images=image, **SMALL)
+    levels = m.processor(images=image, **SMALL)["pixel_values"]
+    decoded = np.stack([np.zeros(gh * gw), levels[:, 0] // 10, levels[:, 196] // 10], 1)
+    out = m.processor(images=image, **SMALL, pixel_dtype="float32")
+    assert np.array_equal(out["patch_positions"].numpy(), decoded)
     mean, std = np.array(ov2.CLIP_MEAN), np.array(ov2.CLIP_STD)
     red = out["pixel_values"][:, 0].double().numpy() * std[0] + mean[0]
     green = out["pixel_values"][:, 196].double().numpy() * std[1] + mean[1]
@@ -275,9 +293,20 @@ def test_field_specs_and_token_counts_follow_vllm() -> None:
     assert m.field_specs(embeds)["image_embeds"].sizes == (6, 8)
 
 
-def test_check_item_blames_the_field() -> None:
+def _changed(item: mf.Item, name: str, value: object = None) -> mf.Item:
+    """``item`` with field ``name`` set to ``value`` (dropped when None), its specs kept."""
+    data = {k: v for k, v in item.items() if k != name}
+    specs = {k: v for k, v in item.specs.items() if k != name or value is not None}
+    if value is not None:
+        data[name] = value
+    return mf.Item(item.modality, data, specs)
+
+
+@pytest.mark.parametrize("pixel_dtype", ["uint8", "float32"])
+def test_check_item_blames_the_field(pixel_dtype: str) -> None:
     m = mf.models.load(NAME)
-    out = m.processor(images=[rgb(56, 84, 0)], videos=[np.stack([rgb(56, 56, 1)] * 2)], **SMALL)
+    out = m.processor(images=[rgb(56, 84, 0)], videos=[np.stack([rgb(56, 56, 1)] * 2)], **SMALL,
+                      pixel_dtype=pixel_dtype)
     items = mf.split_items(out, m.field_specs(out))
     image, video = items["image"][0], items["video"][0]
     m.check_item(image)
@@ -290,18 +319,21 @@ def test_check_item_blames_the_field() -> None:
             (video, "video_num_frames", torch.tensor(3)),
             (video, "patch_positions_videos", video["patch_positions_videos"][1:])):
         with pytest.raises(ContractError) as e:
-            m.check_item({**item, name: value})
+            m.check_item(_changed(item, name, value))
         assert e.value.field == name
     with pytest.raises(ContractError) as e:
-        m.check_item({k: v for k, v in image.items() if k != "patch_positions"})
+        m.check_item(_changed(image, "patch_positions"))
     assert e.value.field == "patch_positions"
 
 
 # -- encoder -----------------------------------------------------------------------------
 
 
-def _image_batch(m: ov2.LlavaOnevision2, sizes: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-    return m.processor(images=[rgb(h, w, i) for i, (h, w) in enumerate(sizes)], **SMALL)
+def _image_batch(m: ov2.LlavaOnevision2, sizes: list[tuple[int, int]],
+                 pixel_dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """Float32 by default: vLLM's tower takes normalised pixels."""
+    return m.processor(images=[rgb(h, w, i) for i, (h, w) in enumerate(sizes)], **SMALL,
+                       pixel_dtype=pixel_dtype)
 
 
 @pytest.mark.parametrize("sizes", [[(56, 84)], [(84, 140), (56, 56), (112, 84)], [(28, 224)]])
@@ -318,7 +350,8 @@ def test_encoder_matches_vllm_on_images(model: ov2.LlavaOnevision2,
 
 def test_encoder_matches_vllm_on_video_frames(model: ov2.LlavaOnevision2) -> None:
     out = model.processor(videos=[np.stack([rgb(56, 84, t) for t in range(3)]),
-                                  np.stack([rgb(84, 56, t) for t in range(2)])], **SMALL)
+                                  np.stack([rgb(84, 56, t) for t in range(2)])], **SMALL,
+                          pixel_dtype="float32")
     batch = mf.batch_items(mf.split_items(out, model.field_specs(out)))[0]
     with torch.no_grad():
         ours = model.encode(**batch.data)
@@ -374,6 +407,193 @@ def test_image_embeds_pass_through_and_bad_batches_fail(model: ov2.LlavaOnevisio
     with pytest.raises(ContractError) as e:
         model.encode(**{**video, "video_num_frames": torch.tensor([3])})
     assert e.value.field == "video_num_frames"
+
+
+# -- uint8 pixels -------------------------------------------------------------------------
+
+IMAGE_SIZES = [(100, 60), (37, 211), (140, 84), (56, 56)]
+
+
+def _media() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    images = [photo(h, w, i) for i, (h, w) in enumerate(IMAGE_SIZES)]
+    videos = [np.stack([photo(70, 100, 20 + t) for t in range(3)]),
+              np.stack([photo(56, 84, 30 + t) for t in range(6)])]
+    return images, videos
+
+
+def _normalised(levels: torch.Tensor, normalize: mf.Normalize) -> torch.Tensor:
+    """Levels ``[N, C·P·P]`` (channel-major columns) normalised with the spec's affine."""
+    a, b = normalize.affine()
+    n, c = levels.shape[0], normalize.channels
+    return (levels.double().view(n, c, -1) * a[:, None] + b[:, None]).float().view(n, -1)
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_levels_are_the_float_pixels_before_normalising(mode: str) -> None:
+    m = mf.models.load(NAME)
+    images, videos = _media()
+    levels = m.processor(images=images, videos=videos, **SMALL, resize_mode=mode)
+    floats = m.processor(images=images, videos=videos, **SMALL, resize_mode=mode,
+                         pixel_dtype="float32")
+    assert set(levels) == set(floats)
+    for name in levels:
+        if name in ("pixel_values", "pixel_values_videos"):
+            assert levels[name].dtype == torch.uint8 and floats[name].dtype == torch.float32
+            # Temporal patch 1: the same [patches, C·P·P] either way, a quarter of the bytes.
+            assert levels[name].shape == floats[name].shape
+            assert levels[name].shape[1] == 3 * 14 * 14
+            torch.testing.assert_close(_normalised(levels[name], m.normalize), floats[name],
+                                       atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(levels[name], floats[name]), name
+    assert m.normalize == mf.Normalize(ov2.CLIP_MEAN, ov2.CLIP_STD, 1 / 255)
+    specs, float_specs = m.field_specs(levels), m.field_specs(floats)
+    for name, spec in specs.items():
+        pixels = name in ("pixel_values", "pixel_values_videos")
+        assert spec.normalize == (m.normalize if pixels else None), name
+        assert float_specs[name].normalize is None, name
+    # The levels survive the item split with their normalisation.
+    items = mf.split_items(levels, specs)
+    assert all(i.specs["pixel_values"].normalize == m.normalize for i in items["image"])
+    assert all(i.specs["pixel_values_videos"].normalize == m.normalize for i in items["video"])
+
+
+def test_fast_and_exact_levels_differ_as_transformers_processors_do() -> None:
+    """The two resize modes differ only by the resampling kernel: by no more (in uint8
+    levels) than transformers' own torchvision and PIL processors differ on the same images
+    (the same kernels, so here exactly as much). Images that need no resize are equal."""
+    m = mf.models.load(NAME)
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(480, 640), (900, 300), (1000, 1300)])]
+    bounds = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256}
+    fast = m.processor(images=images, **bounds)["pixel_values"].int()
+    exact = m.processor(images=images, **bounds, resize_mode="exact")["pixel_values"].int()
+    diff = (fast - exact).abs()
+    assert 0 < diff.max() <= 20 and diff.float().mean() < 0.5
+    ref = hf_processor(**bounds)(images=images, return_tensors="pt")["pixel_values"]
+    ours = m.processor(images=images, **bounds, **PIL_PIXELS)["pixel_values"]
+    assert torch.equal(ours, ref)
+    same = [photo(56, 84, 0)]
+    assert torch.equal(m.processor(images=same)["pixel_values"],
+                       m.processor(images=same, resize_mode="exact")["pixel_values"])
+    torchvision = pytest.importorskip("torchvision")
+    assert torchvision  # installed: compare with transformers' own fast-vs-PIL difference
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    theirs = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=1,
+                                   **bounds)(images=images, return_tensors="pt")["pixel_values"]
+    levels = (theirs - ref).abs().double() * torch.tensor(ov2.CLIP_STD).repeat_interleave(196) * 255
+    assert diff.max() <= levels.max().round() and diff.float().mean() <= levels.mean() + 1e-3
+
+
+def test_fast_pixels_are_transformers_torchvision_pixels() -> None:
+    """vLLM's processor for OV2: transformers' torchvision ``Qwen2VLImageProcessor`` with OV2's
+    settings; the fast float32 pixels equal its output bit for bit."""
+    pytest.importorskip("torchvision")
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    m = mf.models.load(NAME)
+    bounds = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 256}
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(480, 640), (50, 700), (900, 300),
+                                                         (20, 20), (112, 56)])]
+    ref = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=1,
+                                **bounds)(images=images, return_tensors="pt")
+    ours = m.processor(images=images, **bounds, pixel_dtype="float32")
+    assert torch.equal(ours["image_grid_thw"], ref["image_grid_thw"])
+    assert torch.equal(ours["pixel_values"], ref["pixel_values"])
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_uint8_embeddings_equal_the_float32_path(model: ov2.LlavaOnevision2, mode: str) -> None:
+    """Images of several sizes and videos, split and batched: the folded patch embedding on
+    uint8 levels gives the float32 path's embeddings."""
+    images, videos = _media()
+    outs = {}
+    for dtype in ("uint8", "float32"):
+        out = model.processor(images=images, videos=videos, **SMALL, resize_mode=mode,
+                              pixel_dtype=dtype)
+        batches = mf.batch_items(mf.split_items(out, model.field_specs(out)))
+        assert {b.modality for b in batches} == {"image", "video"}
+        with torch.no_grad():
+            outs[dtype] = {b.modality: model.encode(**b.data) for b in batches}
+    for modality, want in outs["float32"].items():
+        got = outs["uint8"][modality]
+        assert got.shape == want.shape and want.abs().max() > 0.1
+        assert (got - want).abs().max() < 1e-5, modality
+
+
+def test_uint8_items_through_wire_and_runner_equal_float32(model: ov2.LlavaOnevision2) -> None:
+    images = [photo(h, w, i) for i, (h, w) in enumerate([(100, 60), (56, 84)])]
+    outs = {}
+    for dtype in ("uint8", "float32"):
+        out = model.processor(images=images, **SMALL, pixel_dtype=dtype)
+        items = mf.wire.decode(mf.wire.encode(mf.split_items(out, model.field_specs(out))))
+        with torch.no_grad():
+            outs[dtype] = mf.EncoderRunner(model).encode(items)
+    for got, want in zip(outs["uint8"], outs["float32"], strict=True):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_levels_are_refused_without_the_models_normalisation() -> None:
+    m = mf.models.load(NAME)
+    out = m.processor(images=[rgb(56, 84, 0)], videos=[np.stack([rgb(56, 56, 1)] * 2)], **SMALL)
+    items = mf.split_items(out, m.field_specs(out))
+    other = mf.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    for item, name in ((items["image"][0], "pixel_values"),
+                       (items["video"][0], "pixel_values_videos")):
+        m.check_item(item)
+        spec = mf.FieldSpec.from_dict({**item.specs[name].to_dict(),
+                                       "normalize": other.to_dict()})
+        for bad in (mf.Item(item.modality, dict(item), {**item.specs, name: spec}), dict(item)):
+            with pytest.raises(ContractError, match="normalize") as e:
+                m.check_item(bad)
+            assert e.value.field == name
+        runner = mf.EncoderRunner(m)
+        assert runner.encode([mf.Item(item.modality, dict(item), {**item.specs, name: spec})]) \
+            == [None]
+        assert runner.last.errors[0].field == name
+    # Integers other than uint8 are neither levels nor floats (an Item with a normalize
+    # refuses them itself; a plain mapping reaches the model's check).
+    image = items["image"][0]
+    with pytest.raises(ContractError, match="uint8 or floating point") as e:
+        m.check_item({**image, "pixel_values": image["pixel_values"].to(torch.int16)})
+    assert e.value.field == "pixel_values"
+    with pytest.raises(ContractError, match="uint8 levels or floating point") as e:
+        m.encode(pixel_values=out["pixel_values"].to(torch.int32),
+                 image_grid_thw=out["image_grid_thw"], patch_positions=out["patch_positions"])
+    assert e.value.field == "pixel_values"
+
+
+def test_pixel_options_are_checked_before_any_media() -> None:
+    m = mf.models.load(NAME)
+    for option, value in (("pixel_dtype", "float16"), ("resize_mode", "lanczos"),
+                          ("pixel_dtype", None)):
+        with pytest.raises(ArgumentError) as e:
+            m.processor(images=[b"not an image"], **{option: value})
+        assert e.value.argument == option
+
+
+def test_the_fold_follows_the_weight(model: ov2.LlavaOnevision2) -> None:
+    """The folded weight is kept between calls and redone when the weight changes."""
+    out = _image_batch(model, [(56, 84)], pixel_dtype="uint8")
+    floats = _image_batch(model, [(56, 84)])
+    embed = model.visual.embeddings
+    with torch.no_grad():
+        first = model.encode(**out)
+        kept = embed.fold.weight
+        model.encode(**out)
+        assert embed.fold.weight is kept
+        weight = embed.patch_embedding.weight
+        saved = weight.clone()
+        try:
+            # A uniform scale would vanish in layernorm_pre: perturb it.
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(9)) * 0.05)
+            changed = model.encode(**out)
+            assert embed.fold.weight is not kept
+            assert (changed - model.encode(**floats)).abs().max() < 1e-5
+            assert (changed - first).abs().max() > 1e-3
+        finally:
+            weight.copy_(saved)
+    assert not any("fold" in name for name in model.state_dict())
 
 
 # -- checkpoints and configs ---------------------------------------------------------------
@@ -441,10 +661,16 @@ def test_checkpoint_loads_by_name(tmp_path: Path, model: ov2.LlavaOnevision2, sh
     # preprocessor_config.json set the processor: its bounds and normalisation.
     assert loaded.processor_config.max_pixels == PREPROCESSOR["max_pixels"]
     image = rgb(56, 84, 0)
-    out = loaded.processor(images=image)
+    out = loaded.processor(images=image, pixel_dtype="float32")
     assert out["pixel_values"][0, 0].item() == pytest.approx(image[0, 0, 0] / 127.5 - 1, abs=1e-6)
+    assert loaded.normalize == mf.Normalize((0.5,) * 3, (0.5,) * 3)
+    levels = loaded.processor(images=image)
+    assert loaded.field_specs(levels)["pixel_values"].normalize == loaded.normalize
     with torch.no_grad():
         torch.testing.assert_close(loaded.encode(**out), model.encode(**out), atol=0, rtol=0)
+        # The levels go through the loaded checkpoint's normalisation, not the default's.
+        torch.testing.assert_close(loaded.encode(**levels), loaded.encode(**out), atol=1e-5,
+                                   rtol=0)
 
 
 def test_missing_checkpoint_key_is_a_checkpoint_error(tmp_path: Path,

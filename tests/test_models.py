@@ -94,7 +94,7 @@ def _outputs(model, visual) -> tuple[torch.Tensor, torch.Tensor]:
     rng = np.random.default_rng(0)
     out = model.processor(images=[rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
                                   for h, w in ((56, 84), (100, 60))],
-                          min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+                          min_pixels=28 * 28, max_pixels=28 * 28 * 64, pixel_dtype="float32")
     with torch.no_grad():
         want = visual(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output
         return model.encode(**out), want

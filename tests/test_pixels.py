@@ -100,6 +100,12 @@ def test_resize_modes(source: tuple[int, int], target: tuple[int, int]) -> None:
     assert np.abs(fast.astype(int) - exact.astype(int)).max() <= 3
     same = resize(image, *source, mode="fast")
     np.testing.assert_array_equal(same, np.asarray(image))
+    # A view of channel planes, the same pixels.
+    for mode, hwc in (("exact", exact), ("fast", fast)):
+        planes = resize(image, *target, mode=mode, contiguous=False)
+        np.testing.assert_array_equal(planes, hwc)
+        assert planes.transpose(2, 0, 1).flags.c_contiguous
+    assert fast.flags.c_contiguous and exact.flags.c_contiguous
 
 
 def test_fold_equals_normalising_first() -> None:

@@ -4,12 +4,16 @@ OV2 is remote code (not in transformers); the reference is vLLM 0.33's
 ``llava_onevision2.py`` and the checkpoint's ``LlavaOnevision2Processor``.
 
 Processor: transformers' ``Qwen2VLImageProcessor`` (the torchvision backend vLLM 0.33 builds
-with transformers 5) with a temporal patch of 1: smart resize (PyTorch's native uint8 bicubic
-antialiased kernel, as torchvision uses on the CPU), fused rescale + CLIP normalisation in
-float32, merge-block patch order, rows of ``C·P·P``. ``patch_positions`` holds each patch's
-(t, h, w) in the same order. Videos take vLLM's frame backend: the frames (padded to an even
-count by repeating the last) go through the image branch, one ``(1, h, w)`` grid row and
-t = 0 positions per frame, with ``frame_timestamps`` = frame index / fps.
+with transformers 5) with a temporal patch of 1: smart resize, merge-block patch order, rows of
+``C·P·P``. ``patch_positions`` holds each patch's (t, h, w) in the same order. Videos take
+vLLM's frame backend: the frames (padded to an even count by repeating the last) go through
+the image branch, one ``(1, h, w)`` grid row and t = 0 positions per frame, with
+``frame_timestamps`` = frame index / fps. By default the pixels stay uint8 levels (the
+resized frame, patchified) with the CLIP normalisation declared on the field spec and folded
+into the patch embedding; ``pixel_dtype="float32"`` normalises them as transformers does.
+``resize_mode="fast"`` (the default) resizes with torchvision's kernel, as vLLM's processor
+does; ``"exact"`` with Pillow's, as transformers' ``Qwen2VLImageProcessorPil``. A temporal
+patch of 1 means nothing is duplicated over time: an image ships as ``[h·w, C·P·P]`` either way.
 
 Encoder: conv patch embedding (no bias), ``layernorm_pre``, blocks with a fused ``qkv``,
 3-D interleaved rotary positions (head_dim/2 split 4:6:6 over t, h, w) from
@@ -39,14 +43,21 @@ from PIL import Image
 from torch import nn
 
 from mmferry.errors import ArgumentError, ContractError, MediaError
-from mmferry.fields import FieldSpec
+from mmferry.fields import FieldSpec, Normalize
 from mmferry.media import load_image, load_video
 from mmferry.media.arguments import as_images, as_videos
-from mmferry.models.blocks import describe
+from mmferry.media.resize import (
+    DEFAULT_PIXEL_DTYPE,
+    DEFAULT_RESIZE_MODE,
+    check_pixel_options,
+    resize,
+)
+from mmferry.models.blocks import PixelFold, check_normalize, describe
 from mmferry.models.checkpoint import read_json
 from mmferry.models.qwen2_vl import CLIP_MEAN, CLIP_STD, smart_resize
 
-__all__ = ["TINY", "LlavaOnevision2", "ProcessorConfig", "VisionConfig", "patch_positions"]
+__all__ = ["TINY", "LlavaOnevision2", "ProcessorConfig", "VisionConfig", "patch_positions",
+           "patchify_into"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +141,7 @@ class ProcessorConfig:
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 1
+    rescale_factor: float = 1 / 255
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ProcessorConfig:
@@ -151,6 +163,7 @@ class ProcessorConfig:
                 merge_size=int(config.get("merge_size", out.merge_size)),
                 temporal_patch_size=int(config.get("temporal_patch_size",
                                                    out.temporal_patch_size)),
+                rescale_factor=float(config.get("rescale_factor", out.rescale_factor)),
             )
         except (TypeError, ValueError) as e:
             raise ArgumentError(f"preprocessor_config.json: {e}",
@@ -160,45 +173,58 @@ class ProcessorConfig:
 # -- processor ---------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=8)
-def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """``[C, 256]`` float32: every uint8 value as the torchvision backend normalises it.
+@lru_cache(maxsize=16)
+def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...], rescale: float,
+                     resize_mode: str) -> np.ndarray:
+    """``[C, 256]`` float32: every uint8 level normalised bit for bit as the transformers
+    processor whose pixels ``resize_mode`` gives does it (a table lookup repeats any
+    per-level arithmetic exactly).
 
-    Its arithmetic, in the same float32 ops: rescale is fused into the statistics
-    (``mean / (1/255)``), then ``(x - mean) / std``. A table lookup gives it bit for bit.
+    ``fast``, the torchvision backend: rescale fused into the statistics (``mean / rescale``
+    and ``std / rescale`` in float32), then ``(x - mean) / std`` in float32. ``exact``, the
+    PIL backend: ``x * rescale`` in float64 rounded to float32, then ``(x - mean) / std`` in
+    float32.
     """
-    scale = 1.0 / (1 / 255)
-    m = (torch.tensor(mean) * scale)[:, None]
-    s = (torch.tensor(std) * scale)[:, None]
-    table = ((torch.arange(256, dtype=torch.float32)[None, :] - m) / s).numpy()
+    if resize_mode == "fast":
+        m = torch.tensor(mean) * (1.0 / rescale)
+        s = torch.tensor(std) * (1.0 / rescale)
+        table = ((torch.arange(256, dtype=torch.float32)[None, :] - m[:, None]) / s[:, None]).numpy()
+    else:
+        levels = (np.arange(256, dtype=np.float64) * rescale).astype(np.float32)
+        m, s = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
+        table = (levels[None, :] - m[:, None]) / s[:, None]
     table.setflags(write=False)
     return table
 
 
-def _resize(img: Image.Image, height: int, width: int) -> np.ndarray:
-    """uint8 ``[H, W, C]``: torchvision's resize of a uint8 image on the CPU, PyTorch's
-    native uint8 bicubic antialiased kernel on the channels-first image."""
-    arr = np.asarray(img)
-    if arr.shape[:2] == (height, width):
-        return arr
-    x = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))[None]
-    x = F.interpolate(x, size=(height, width), mode="bicubic", align_corners=False,
-                      antialias=True)
-    return x[0].permute(1, 2, 0).numpy()
+def patchify_into(out: np.ndarray, planes: np.ndarray, *, patch: int, merge: int) -> None:
+    """Write one frame's uint8 channel planes ``[C, H, W]`` into uint8 ``out``
+    ``[h·w, C·P·P]``: rows in merge-block order (block row, block column, row in block,
+    column in block), columns over (channel, patch row, patch column), the layout of
+    Qwen2-VL's processors with a temporal patch of 1.
 
-
-def _patchify_into(out: np.ndarray, frame: np.ndarray, table: np.ndarray, *, patch: int,
-                   merge: int) -> None:
-    """Write one uint8 ``[H, W, C]`` frame into ``out`` (``[h*w, C*P*P]`` float32): rows in
-    merge-block order (block row, block column, row in block, column in block), columns over
-    (channel, patch row, patch column). The uint8 pixels are reordered, then looked up."""
-    h, w, c = frame.shape
+    A patch row of one channel is ``patch`` contiguous bytes in a plane and in ``out``, so it
+    moves as one opaque numpy element: a few times faster than reordering byte by byte.
+    """
+    c, h, w = planes.shape
     gh, gw = h // patch, w // patch
-    ordered = frame.reshape(gh // merge, merge, patch, gw // merge, merge, patch, c)
-    ordered = ordered.transpose(0, 3, 1, 4, 6, 2, 5).reshape(gh * gw, c, patch * patch)
-    dest = out.reshape(gh * gw, c, patch * patch)
+    if planes.strides[2] != 1:  # a view of interleaved pixels: planes first, in one pass
+        planes = np.ascontiguousarray(planes)
+    row = np.dtype((np.void, patch))
+    runs = planes.view(row).reshape(c, gh // merge, merge, patch, gw // merge, merge)
+    dst = out.view(row).reshape(gh // merge, gw // merge, merge, merge, c, patch)
+    np.copyto(dst, runs.transpose(1, 4, 2, 5, 0, 3))
+
+
+def _normalise(levels: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """uint8 ``[N, C·k]`` patches (channel-major columns) to float32 ``table[c, level]``."""
+    n, width = levels.shape
+    c = table.shape[0]
+    out = np.empty((n, c, width // c), dtype=np.float32)
+    grouped = levels.reshape(n, c, width // c)
     for ch in range(c):
-        np.take(table[ch], ordered[:, ch], out=dest[:, ch], mode="clip")
+        np.take(table[ch], grouped[:, ch], out=out[:, ch])
+    return out.reshape(n, width)
 
 
 @lru_cache(maxsize=256)
@@ -344,9 +370,15 @@ class Embeddings(nn.Module):
         # Conv2d for the checkpoint's name and shape.
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, p, stride=p,
                                          bias=False)
+        self.fold = PixelFold()
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, normalize: Normalize) -> torch.Tensor:
+        """uint8 levels go through the weight with ``normalize`` folded in (a bias appears:
+        level 0 is not input 0); floating pixels, already normalised, through the weight."""
         weight = self.patch_embedding.weight
+        if pixels.dtype == torch.uint8:
+            folded, bias = self.fold(weight, None, normalize, 1)
+            return F.linear(pixels.to(weight.dtype), folded.view(weight.shape[0], -1), bias)
         return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
 
 
@@ -380,10 +412,11 @@ class VisionTower(nn.Module):
         self.merger = PatchMerger(cfg)
 
     def forward(self, pixels: torch.Tensor, grid: Sequence[tuple[int, int, int]],
-                positions: torch.Tensor) -> torch.Tensor:
-        """``pixels`` ``[Σ t·h·w, C·P·P]`` and ``positions`` ``[Σ t·h·w, 3]`` on the device,
-        ``grid`` host ints per grid row."""
-        x = self.layernorm_pre(self.embeddings(pixels))
+                positions: torch.Tensor, normalize: Normalize) -> torch.Tensor:
+        """``pixels`` ``[Σ t·h·w, C·P·P]`` (uint8 levels of ``normalize``, or normalised
+        floats) and ``positions`` ``[Σ t·h·w, 3]`` on the device, ``grid`` host ints per grid
+        row."""
+        x = self.layernorm_pre(self.embeddings(pixels, normalize))
         cos, sin = _rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta, x.device)
         runs = window_runs(grid, self.cfg.frame_windows_size)
         for block in self.encoder.layers:
@@ -398,6 +431,7 @@ _VIDEO = ("pixel_values_videos", "video_grid_thw", "patch_positions_videos", "vi
           "frame_timestamps", "video_is_codec", "codec_fps")
 _VIDEO_HOST = ("video_num_frames", "frame_timestamps", "video_is_codec", "codec_fps")
 _FIELDS = {"image": _IMAGE, "video": _VIDEO}
+_PIXELS = ("pixel_values", "pixel_values_videos")
 
 
 def _grid_rows(name: str, grid: Any) -> list[tuple[int, int, int]]:
@@ -445,6 +479,8 @@ class LlavaOnevision2(nn.Module):
                                 argument="preprocessor_config.temporal_patch_size")
         self.config = config
         self.processor_config = pc
+        # What the processor's uint8 levels stand for (the pixel specs carry it).
+        self.normalize = Normalize(pc.image_mean, pc.image_std, pc.rescale_factor)
         self.hidden_size = config.text_hidden_size
         self.visual = VisionTower(config)
 
@@ -464,10 +500,11 @@ class LlavaOnevision2(nn.Module):
     def processor(self, *, images: Any = None, videos: Any = None, audios: Any = None,
                   min_pixels: int | None = None, max_pixels: int | None = None,
                   fps: float | Sequence[float] | None = None,
+                  pixel_dtype: str = DEFAULT_PIXEL_DTYPE, resize_mode: str = DEFAULT_RESIZE_MODE,
                   **kwargs: Any) -> dict[str, torch.Tensor]:
         """Images and videos to vLLM 0.33's OV2 fields.
 
-        Images: ``pixel_values`` ``[Σ h·w, C·P·P]`` float32, ``image_grid_thw`` ``[n, 3]``
+        Images: ``pixel_values`` ``[Σ h·w, C·P·P]``, ``image_grid_thw`` ``[n, 3]``
         and ``patch_positions`` ``[Σ h·w, 3]`` int64. Videos (as
         :func:`mmferry.media.as_videos` names them), frame backend:
         ``pixel_values_videos``, ``video_grid_thw`` (one ``(1, h, w)`` row per frame),
@@ -478,24 +515,33 @@ class LlavaOnevision2(nn.Module):
         1.0, vLLM's when a video carries none). ``min_pixels`` / ``max_pixels`` override the
         resize bounds. A modality without media has no fields in the output.
 
+        ``pixel_dtype``: ``"uint8"`` (default) gives the pixel fields as uint8 levels, whose
+        spec carries :attr:`normalize`; ``"float32"`` normalises them (transformers' output).
+        ``resize_mode``: ``"fast"`` (default) resizes as transformers' torchvision
+        ``Qwen2VLImageProcessor`` (vLLM's) does, ``"exact"`` as ``Qwen2VLImageProcessorPil``
+        (float32 pixels equal to its output bit for bit).
+
         Raises:
             MediaError: a source cannot be decoded, breaks a limit, or has an aspect ratio
                 above 200; it names the file or ``item N``.
-            ArgumentError: audio, a bad ``fps``, or an unknown option.
+            ArgumentError: audio, a bad ``fps``, ``pixel_dtype`` or ``resize_mode``, or an
+                unknown option.
         """
         if kwargs:
             raise ArgumentError(f"unknown processor option(s) {sorted(kwargs)}; {self.name} "
-                                "takes min_pixels, max_pixels and fps",
+                                "takes min_pixels, max_pixels, fps, pixel_dtype and resize_mode",
                                 argument=sorted(kwargs)[0])
+        check_pixel_options(pixel_dtype, resize_mode)
         if audios is not None:
             raise ArgumentError(f"{self.name} takes images and videos, not audio",
                                 argument="audios")
         pc = self.processor_config
         bounds = (min_pixels or pc.min_pixels, max_pixels or pc.max_pixels)
+        options = {"pixel_dtype": pixel_dtype, "resize_mode": resize_mode}
         out: dict[str, torch.Tensor] = {}
         images = [load_image(x, index=i) for i, x in enumerate(as_images(images))]
         if images:
-            pixels, grid, positions = self._frames(images, *bounds, source="item")
+            pixels, grid, positions = self._frames(images, *bounds, source="item", **options)
             out.update(pixel_values=pixels, image_grid_thw=grid, patch_positions=positions)
         videos = [load_video(v, index=i) for i, v in enumerate(as_videos(videos))]
         if videos:
@@ -508,7 +554,8 @@ class LlavaOnevision2(nn.Module):
                     video, indices = [*video, video[-1]], [*indices, indices[-1]]
                 stamps.append([i / rate for i in indices])
                 frames.extend(video)
-            pixels, grid, positions = self._frames(frames, *bounds, source="video frame")
+            pixels, grid, positions = self._frames(frames, *bounds, source="video frame",
+                                                    **options)
             counts = [len(s) for s in stamps]
             width = max(counts)
             timestamps = torch.zeros(len(stamps), width, dtype=torch.float32)
@@ -532,7 +579,8 @@ class LlavaOnevision2(nn.Module):
         return [float(r) for r in rates]
 
     def _frames(self, frames: list[Image.Image], min_pixels: int, max_pixels: int, *,
-                source: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                source: str, pixel_dtype: str, resize_mode: str,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Frames through the image processor: pixels, one grid row each, positions."""
         pc = self.processor_config
         patch, merge = pc.patch_size, pc.merge_size
@@ -546,16 +594,18 @@ class LlavaOnevision2(nn.Module):
             sizes.append((h, w))
             grid.append((1, h // patch, w // patch))
         rows = [h * w for _, h, w in grid]
-        channels = self.config.num_channels
-        pixels = torch.empty((sum(rows), channels * patch * patch), dtype=torch.float32)
-        flat = pixels.numpy()
-        table = _normalise_table(pc.image_mean, pc.image_std)
+        levels = np.empty((sum(rows), self.config.num_channels * patch * patch), dtype=np.uint8)
         start = 0
         for frame, (h, w), n in zip(frames, sizes, rows, strict=True):
-            _patchify_into(flat[start:start + n], _resize(frame, h, w), table, patch=patch,
-                           merge=merge)
+            pixels = resize(frame, h, w, mode=resize_mode, contiguous=False)
+            patchify_into(levels[start:start + n], pixels.transpose(2, 0, 1), patch=patch,
+                          merge=merge)
             start += n
-        return (pixels, torch.tensor(grid, dtype=torch.int64).reshape(-1, 3),
+        if pixel_dtype == "float32":
+            # Reordered as uint8 first (a quarter of the bytes), then looked up.
+            levels = _normalise(levels, _normalise_table(pc.image_mean, pc.image_std,
+                                                         pc.rescale_factor, resize_mode))
+        return (torch.from_numpy(levels), torch.tensor(grid, dtype=torch.int64).reshape(-1, 3),
                 patch_positions(grid, merge))
 
     # -- contract --------------------------------------------------------------------------
@@ -575,7 +625,8 @@ class LlavaOnevision2(nn.Module):
             specs["image_grid_thw"] = FieldSpec.batched("image", placement="host")
             for name in ("pixel_values", "patch_positions"):
                 if name in image_present:
-                    specs[name] = FieldSpec.flat_from_sizes("image", patches)
+                    specs[name] = FieldSpec.flat_from_sizes(
+                        "image", patches, normalize=self._pixel_normalize(outputs, name))
             if "image_embeds" in image_present:
                 specs["image_embeds"] = FieldSpec.flat_from_sizes("image", patches // merge2)
         video_present = [k for k in _VIDEO if outputs.get(k) is not None]
@@ -594,17 +645,26 @@ class LlavaOnevision2(nn.Module):
             specs["video_grid_thw"] = FieldSpec.flat_from_sizes("video", frames, placement="host")
             for name in ("pixel_values_videos", "patch_positions_videos"):
                 if name in video_present:
-                    specs[name] = FieldSpec.flat_from_sizes("video", patches)
+                    specs[name] = FieldSpec.flat_from_sizes(
+                        "video", patches, normalize=self._pixel_normalize(outputs, name))
             for name in _VIDEO_HOST:
                 if name in video_present:
                     specs[name] = FieldSpec.batched("video", placement="host")
         return specs
 
+    def _pixel_normalize(self, outputs: Mapping[str, Any], name: str) -> Normalize | None:
+        """The pixel fields' normalisation when they hold uint8 levels, else none."""
+        if name in _PIXELS and torch.as_tensor(outputs[name]).dtype == torch.uint8:
+            return self.normalize
+        return None
+
     def check_item(self, item: Mapping[str, Any]) -> None:
         """One item against its own grid: positive grid rows, multiples of the merge size
         (one row per image; one per frame, as many as ``video_num_frames`` says); pixels
-        ``[patches, C·P·P]`` floating point with integer positions ``[patches, 3]``, or
-        image embeddings ``[patches / merge², hidden]``."""
+        ``[patches, C·P·P]``, floating point or uint8 levels, with integer positions
+        ``[patches, 3]``, or image embeddings ``[patches / merge², hidden]``. Levels need the
+        item's spec to carry the model's :attr:`normalize` (a plain mapping has no spec: its
+        levels are refused)."""
         modality = "video" if "video_grid_thw" in item else "image"
         names = _FIELDS[modality]
         unknown = set(item) - set(names)
@@ -637,11 +697,19 @@ class LlavaOnevision2(nn.Module):
             if name not in item:
                 continue
             value = item[name]
-            if (not isinstance(value, torch.Tensor) or value.is_floating_point() != floating
+            levels = name == values and isinstance(value, torch.Tensor) and \
+                value.dtype == torch.uint8
+            if (not isinstance(value, torch.Tensor)
+                    or (value.is_floating_point() != floating and not levels)
                     or tuple(value.shape) != (n, cols)):
-                kind = "floating point" if floating else "integer"
+                kind = "uint8 or floating point" if name == values else \
+                    "floating point" if floating else "integer"
                 raise ContractError(f"expected {kind} [{n}, {cols}] from {grid_name} {rows}, "
                                     f"got {describe(value)}", field=name)
+            if levels:
+                specs = getattr(item, "specs", None)
+                check_normalize(name, specs[name].normalize if specs and name in specs else None,
+                                self.normalize)
         if modality == "image" and ("image_embeds" in item) == (values in item):
             raise ContractError(f"an item holds {values} or image_embeds", field=values)
         if modality == "video" and values not in item:
@@ -665,7 +733,8 @@ class LlavaOnevision2(nn.Module):
     def encode(self, **batch: Any) -> torch.Tensor:
         """One modality's batch to ``[Σ tokens, hidden_size]``.
 
-        Pixels and positions (device) run the tower over the host grid rows;
+        Pixels (uint8 levels, as :meth:`check_item` vetted them, or normalised floats) and
+        positions (device) run the tower over the host grid rows;
         ``image_embeds`` pass through. Video frame metadata is accepted and, apart from
         ``video_num_frames`` (checked against the grid on the host), not used.
         """
@@ -710,13 +779,16 @@ class LlavaOnevision2(nn.Module):
         if pixels.ndim != 2 or pixels.shape[0] != patches:
             raise ContractError(f"expected {patches} rows from {grid_name}, got shape "
                                 f"{list(pixels.shape)}", field=values)
+        if pixels.dtype != torch.uint8 and not pixels.is_floating_point():
+            raise ContractError(f"expected uint8 levels or floating point pixels, got "
+                                f"{describe(pixels)}", field=values)
         if positions.ndim != 2 or tuple(positions.shape) != (patches, 3):
             raise ContractError(f"expected [{patches}, 3] from {grid_name}, got shape "
                                 f"{list(positions.shape)}", field=positions_name)
         if not patches:
             weight = self.visual.embeddings.patch_embedding.weight
             return torch.empty(0, self.hidden_size, dtype=weight.dtype, device=weight.device)
-        return self.visual(pixels, grid, positions)
+        return self.visual(pixels, grid, positions, self.normalize)
 
     def dummy_inputs(self) -> dict[str, torch.Tensor]:
         """Processor output for two seeded images of different sizes and aspect ratios and
