@@ -250,9 +250,10 @@ def layout(outputs: Mapping[str, Any]) -> Any:
     """The pixel field's shape, or its items' shapes: two outputs compare element by element
     only when their layouts are the same (flattened sizes can agree by chance)."""
     value = outputs[PIXELS]
-    if isinstance(value, list | tuple):
+    if isinstance(value, list | tuple) and len(value) != 1:
         return [tuple(torch.as_tensor(v).shape) for v in value]
-    return tuple(torch.as_tensor(value).shape)
+    # One image's pixels as a one-item list or as a tensor: the same elements either way.
+    return tuple(torch.as_tensor(value[0] if isinstance(value, list | tuple) else value).shape)
 
 
 def peer_normalize(peer: Any) -> mf.Normalize | None:
