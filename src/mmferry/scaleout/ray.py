@@ -343,16 +343,14 @@ class Encoder:
         return await asyncio.wrap_future(self.owner.call(lambda: key in cache))
 
     async def embedding(self, call: dict[str, Any]) -> list[np.ndarray] | None:
-        from mmferry.server.encode import _dtype_name, _rows_frame
+        from mmferry.server.encode import embedding_frames
 
         key, cache = self.runner.cache_key(call["key"]), self.runner.cache
         rows = await asyncio.wrap_future(self.owner.call(
             lambda: cache.get(key) if key in cache else None))
         if rows is None:
             return None
-        meta = {"compat": self.compat, "hash": call["key"], "dtype": _dtype_name(rows),
-                "shape": list(rows.shape), "replica": self.replica}
-        return _arrays([pack_meta(meta), _rows_frame(rows)])
+        return _arrays(embedding_frames(rows, call["key"], self.compat, replica=self.replica))
 
     async def health(self, call: dict[str, Any]) -> dict[str, Any]:
         from mmferry.server.encode import probe_encode
@@ -390,7 +388,7 @@ def create_ingress_app(options: Mapping[str, Any], render: Any, encoder: Any) ->
     from mmferry import models
     from mmferry.cli.args import pixel_options
     from mmferry.cli.launch import media_limits
-    from mmferry.server.encode import wants_frames_answer
+    from mmferry.server.encode import read_hashes, wants_frames_answer
     from mmferry.server.media import resolve
     from mmferry.server.render import content_type, parse_media_request, wants_frames
 
@@ -509,15 +507,7 @@ def create_ingress_app(options: Mapping[str, Any], render: Any, encoder: Any) ->
 
     @app.post("/v1/embeddings:lookup")
     async def lookup(request: Request) -> Response:
-        import json
-
-        body = await read_body(request, 16 << 20)
-        try:
-            hashes = json.loads(body).get("hashes")
-        except (ValueError, AttributeError):
-            hashes = None
-        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-            raise ServerError(400, "bad_request", 'send {"hashes": ["<hex>", ...]}', field="hashes")
+        hashes = await read_hashes(request)
         # Each hash asks the replica its own key routes to: where it would have been cached.
         present = await asyncio.gather(*(encoder.lookup.remote({"key": h}) for h in hashes))
         return JSONResponse({"present": [h for h, p in zip(hashes, present, strict=True) if p],

@@ -240,6 +240,26 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def embedding_frames(rows: torch.Tensor, key: str, compat: dict[str, Any],
+                     **extra: Any) -> list[bytes | memoryview]:
+    """The reply to ``GET /v1/embeddings/{key}``: a metadata frame, then the rows' bytes."""
+    meta = {"compat": compat, "hash": key, "dtype": _dtype_name(rows), "shape": list(rows.shape),
+            **extra}
+    return [pack_meta(meta), _rows_frame(rows)]
+
+
+async def read_hashes(request: Request) -> list[str]:
+    """The ``{"hashes": [...]}`` body of ``POST /v1/embeddings:lookup``; a 400 otherwise."""
+    body = await read_body(request, 16 << 20)
+    try:
+        hashes = json.loads(body).get("hashes")
+    except (ValueError, AttributeError):
+        hashes = None
+    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+        raise ServerError(400, "bad_request", 'send {"hashes": ["<hex>", ...]}', field="hashes")
+    return hashes
+
+
 def screen(model: EncoderModel, items: list[Item], cfg: EncodeConfig
            ) -> tuple[list[Outcome | None], list[int]]:
     """Check each item before it may reach the encoder: its hash is its content's (the cache
@@ -399,13 +419,7 @@ def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> 
 
     @app.post("/v1/embeddings:lookup")
     async def lookup(request: Request) -> Response:
-        body = await read_body(request, 16 << 20)
-        try:
-            hashes = json.loads(body).get("hashes")
-        except (ValueError, AttributeError):
-            hashes = None
-        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
-            raise ServerError(400, "bad_request", 'send {"hashes": ["<hex>", ...]}', field="hashes")
+        hashes = await read_hashes(request)
         cache = runner.cache
         present = await asyncio.wrap_future(owner().call(
             lambda: [runner.cache_key(h) in cache for h in hashes]))
@@ -422,9 +436,7 @@ def create_app(cfg: EncodeConfig, model: EncoderModel, device: torch.device) -> 
         if rows is None:
             raise ServerError(404, "not_found", f"no cached embedding {key[:16]}... (never "
                               "encoded, or evicted)", field="hash")
-        meta = {"compat": compat, "hash": key, "dtype": _dtype_name(rows),
-                "shape": list(rows.shape)}
-        return Response(b"".join(encode_body([pack_meta(meta), _rows_frame(rows)])),
+        return Response(b"".join(encode_body(embedding_frames(rows, key, compat))),
                         media_type=MEDIA_TYPE)
 
     @app.get("/health")
