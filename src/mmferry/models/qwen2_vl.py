@@ -432,7 +432,8 @@ class Qwen2VL(nn.Module):
         for frames, (h, w), n in zip(media, sizes, rows, strict=True):
             if len(frames) > 1 and len(frames) % temporal:
                 frames = frames + [frames[-1]] * (temporal - len(frames) % temporal)
-            stack = np.stack([resize(f, h, w, mode=resize_mode) for f in frames])
+            resized = [resize(f, h, w, mode=resize_mode) for f in frames]
+            stack = resized[0][None] if len(resized) == 1 else np.stack(resized)
             ordered = _patch_order(stack, patch=patch, merge=merge,
                                    per_patch=1 if len(frames) == 1 else temporal)
             if table is None:  # a one-frame video repeats its frame over the temporal patch
