@@ -3,8 +3,8 @@
 Images against ``Ernie4_5_VLMoeImageProcessorPil``; videos against
 ``Ernie4_5_VLMoeVideoProcessor`` without and with timestamps drawn on the frames, which needs
 torchvision: without it the video rows say so. mmferry runs in its float32 mode (transformers'
-values: ``exact`` resizing for images, ``fast`` for videos; ``benchmarks/ernie4_5_vl_pixels.py``
-times the uint8 default). For each set: outputs compared bit for bit, then both timed
+values: ``exact`` resizing for images, ``fast`` for videos; ``benchmarks/preprocess.py`` and
+``ernie4_5_vl_pixels.py`` time the uint8 default). For each set: outputs compared bit for bit, then both timed
 interleaved in rotating order, median over rounds.
 
     python3 benchmarks/ernie4_5_vl_processor.py [--rounds 7] [--threads 1]
