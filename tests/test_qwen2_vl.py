@@ -314,10 +314,12 @@ def test_check_item_refuses_rows_that_disagree_with_the_grid() -> None:
 
 
 def _normalised(levels: torch.Tensor, normalize: mf.Normalize, repeat: int) -> torch.Tensor:
-    """Levels ``[N, C·k]`` normalised as transformers does (rescale in float64, then float32)
-    and repeated ``repeat`` times per channel: the float32 layout."""
+    """Levels ``[N, k·C]`` (channel last) normalised as transformers does (rescale in float64,
+    then float32), channel first and repeated ``repeat`` times per channel: the float32
+    layout."""
     n, c = levels.shape[0], normalize.channels
-    scaled = (levels.double() * normalize.scale).float().view(n, c, 1, -1)
+    levels = levels.view(n, -1, c).transpose(1, 2)
+    scaled = (levels.double() * normalize.scale).float().reshape(n, c, 1, -1)
     mean = torch.tensor(normalize.mean, dtype=torch.float32).view(1, c, 1, 1)
     std = torch.tensor(normalize.std, dtype=torch.float32).view(1, c, 1, 1)
     return ((scaled - mean) / std).expand(n, c, repeat, scaled.shape[-1]).reshape(n, -1)

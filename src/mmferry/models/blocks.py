@@ -184,8 +184,9 @@ class PixelFold(nn.Module):
     def forward(self, weight: torch.Tensor, bias: torch.Tensor | None, normalize: Normalize,
                 channel_dim: int, sum_dims: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``weight`` ``[out, ...]`` whose dimension ``channel_dim`` is the input channel (a
-        conv weight ``[out, C, ...]`` has it at 1; view a linear weight so one dimension is);
-        returns the folded weight and a bias ``[out]``. ``sum_dims`` are weight dimensions the
+        conv weight ``[out, C, ...]`` has it at 1; view or permute a weight so its dimensions
+        follow the input's columns); returns the folded weight, contiguous, and a bias
+        ``[out]``. ``sum_dims`` are weight dimensions the
         input repeats along (an image standing for the frames of a temporal patch): they are
         summed away, so the input is sent once."""
         key = (weight.data_ptr(), _version(weight), weight.shape, weight.dtype, weight.device,
@@ -207,7 +208,9 @@ class PixelFold(nn.Module):
                 shift = (w64 * c.view(shape)).flatten(1).sum(1)
                 if bias is not None:
                     shift = shift + bias.double()
-                self.weight, self.bias = folded.to(weight.dtype), shift.to(weight.dtype)
+                # Contiguous whatever view of the weight came in, so callers view it flat.
+                self.weight = folded.to(weight.dtype).contiguous()
+                self.bias = shift.to(weight.dtype)
             self._key = key
         return self.weight, self.bias
 

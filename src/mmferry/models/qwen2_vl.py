@@ -201,7 +201,8 @@ def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndar
 
 
 def _patch_order(frames: np.ndarray, *, patch: int, merge: int, per_patch: int) -> np.ndarray:
-    """``frames`` (uint8 ``[T, H, W, C]``) as a view ``[N, C, per_patch·P·P]`` in patch order.
+    """``frames`` (uint8 ``[T, H, W, C]``) as a view ``[N, C, per_patch·P·P]`` in patch order:
+    transformers' columns, for the float32 output.
 
     Rows run over (t, merge-block row, merge-block column, row in block, column in block);
     columns over (channel, frame in the temporal patch, patch row, patch column).
@@ -212,6 +213,19 @@ def _patch_order(frames: np.ndarray, *, patch: int, merge: int, per_patch: int) 
     return frames.reshape(
         t // per_patch, per_patch, gh // merge, merge, patch, gw // merge, merge, patch, c
     ).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(n, c, per_patch * patch * patch)
+
+
+def _level_order(frames: np.ndarray, *, patch: int, merge: int, per_patch: int) -> np.ndarray:
+    """``frames`` (uint8 ``[T, H, W, C]``) as a view ``[N, per_patch, P·P·C]`` in patch order:
+    the uint8 columns, channel last (frame in the temporal patch, patch row, patch column,
+    channel), so each patch row is one run of P·C bytes of the frame: half the cost of
+    gathering channel-major columns. The encoder reads its weight in the same order."""
+    t, h, w, c = frames.shape
+    gh, gw = h // patch, w // patch
+    n = (t // per_patch) * gh * gw
+    return frames.reshape(
+        t // per_patch, per_patch, gh // merge, merge, patch, gw // merge, merge, patch * c
+    ).transpose(0, 2, 5, 3, 6, 1, 4, 7).reshape(n, per_patch, patch * patch * c)
 
 
 def _normalise_into(out: np.ndarray, ordered: np.ndarray, table: np.ndarray, temporal: int) -> None:
@@ -241,16 +255,17 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixels: torch.Tensor, normalize: Normalize | None = None) -> torch.Tensor:
         """Float pixels ``[N, C·Tp·P·P]`` as transformers gives them, or uint8 levels with the
-        ``normalize`` they stand for: ``[N, C·Tp·P·P]`` (video) or ``[N, C·P·P]`` (an image,
-        sent once for the Tp frames it stands for)."""
+        ``normalize`` they stand for, channel last: ``[N, Tp·P·P·C]`` (video) or
+        ``[N, P·P·C]`` (an image, sent once for the Tp frames it stands for)."""
         weight = self.proj.weight
         if pixels.dtype != torch.uint8:
             return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
         if normalize is None:
             raise ContractError("uint8 pixels need their normalisation", field="pixel_values")
         once = pixels.shape[1] != weight[0].numel()
-        w, b = self.fold["image" if once else "video"](weight, None, normalize, 1,
-                                                       (2,) if once else ())
+        # [out, C, Tp, P, P] read as [out, Tp, P, P, C], the levels' column order.
+        w, b = self.fold["image" if once else "video"](weight.permute(0, 2, 3, 4, 1), None,
+                                                       normalize, 4, (1,) if once else ())
         return F.linear(pixels.to(w.dtype), w.view(w.shape[0], -1), b)
 
 
@@ -355,9 +370,9 @@ class Qwen2VL(nn.Module):
         """Images and videos to ``pixel_values`` and ``image_grid_thw`` ``[n, 3]`` int64
         (``pixel_values_videos`` / ``video_grid_thw``).
 
-        ``pixel_dtype="uint8"`` (the default): patches of uint8 levels, ``[Σ t·h·w, C·P·P]``
-        for images (each sent once) and ``[Σ t·h·w, C·Tp·P·P]`` for videos, whose field specs
-        carry :attr:`normalize`. ``"float32"``: transformers' normalised
+        ``pixel_dtype="uint8"`` (the default): patches of uint8 levels, channel last,
+        ``[Σ t·h·w, P·P·C]`` for images (each sent once) and ``[Σ t·h·w, Tp·P·P·C]`` for
+        videos, whose field specs carry :attr:`normalize`. ``"float32"``: transformers' normalised
         ``[Σ t·h·w, C·Tp·P·P]``. ``resize_mode``: ``"fast"`` (the default; the pixels of
         transformers' torchvision processor) or ``"exact"`` (those of its PIL processor).
 
@@ -434,12 +449,13 @@ class Qwen2VL(nn.Module):
                 frames = frames + [frames[-1]] * (temporal - len(frames) % temporal)
             resized = [resize(f, h, w, mode=resize_mode) for f in frames]
             stack = resized[0][None] if len(resized) == 1 else np.stack(resized)
-            ordered = _patch_order(stack, patch=patch, merge=merge,
-                                   per_patch=1 if len(frames) == 1 else temporal)
+            per_patch = 1 if len(frames) == 1 else temporal
             if table is None:  # a one-frame video repeats its frame over the temporal patch
-                c, k = ordered.shape[1:]
-                flat[start:start + n].reshape(n, c, width // (c * k), k)[:] = ordered[:, :, None]
+                ordered = _level_order(stack, patch=patch, merge=merge, per_patch=per_patch)
+                k = ordered.shape[2]
+                flat[start:start + n].reshape(n, width // k, k)[:] = ordered
             else:
+                ordered = _patch_order(stack, patch=patch, merge=merge, per_patch=per_patch)
                 _normalise_into(flat[start:start + n], ordered, table, temporal)
             start += n
         values, grid_name, _ = _FIELDS[modality]
