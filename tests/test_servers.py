@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -299,8 +300,11 @@ def test_a_killed_worker_is_replaced(servers: dict[str, str]) -> None:
     url = servers["render"]
     before = httpx.get(f"{url}/health", trust_env=False).json()
     big = ramp_png()
+    # float32 and exact: the slowest render, so the kill lands while it is in flight.
+    slow = json.dumps({"pixel_dtype": "float32", "resize_mode": "exact"})
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(_post, url, files=[("image", ("a", big))])
+        pending = pool.submit(_post, url, files=[("image", ("a", big)),
+                                                 ("processor_kwargs", (None, slow))])
         time.sleep(0.1)
         for pid in before["workers"]:  # every worker, so the in-flight request loses its own
             os.kill(pid, signal.SIGKILL)
@@ -308,13 +312,14 @@ def test_a_killed_worker_is_replaced(servers: dict[str, str]) -> None:
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 30
     while True:
+        # A worker that died idle is found, and replaced, when a job would go to it.
+        assert _json(url, {"modality": "image", "data": _b64(IMAGE)}).status_code == 200
         after = httpx.get(f"{url}/health", trust_env=False).json()
-        if len(after["workers"]) == 2 or time.monotonic() > deadline:
+        if not set(after["workers"]) & set(before["workers"]) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert after["restarts"] >= before["restarts"] + 2
     assert len(after["workers"]) == 2 and not set(after["workers"]) & set(before["workers"])
-    assert _json(url, {"modality": "image", "data": _b64(IMAGE)}).status_code == 200
 
 
 def _encoder_calls(url: str) -> float:
