@@ -31,6 +31,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import click
@@ -273,7 +274,7 @@ class Encoder:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu":
             torch.set_num_threads(1)
-        folder = None if weights is None else __import__("pathlib").Path(weights)
+        folder = None if weights is None else Path(weights)
         model = models.load(model_name, folder, dtype=dtype).to(device).eval()
         self.model = model
         self.cfg = EncodeConfig(model=model_name, weights_revision=weights_revision(folder),
