@@ -13,31 +13,16 @@ Needs torchvision (the ``bench`` extra).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
+from ernie4_5_vl_processor import median_seconds
 from PIL import Image
 
 import mmferry.models as mf_models
 from mmferry.media import samples
 
 SIZES = [(448, 448), (1024, 768), (1920, 1080)]  # width x height
-
-
-def _median_cpu_seconds(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for name in names:
-        fns[name]()
-    for r in range(max(rounds, 1)):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.process_time()
-            fns[name]()
-            times[name].append(time.process_time() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _levels(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> tuple[float, float]:
@@ -75,7 +60,7 @@ def main() -> None:
                 torch.equal(floats["fast"]["pixel_values"], out["torchvision"]["pixel_values"]))
         ours = _levels(out["fast"]["pixel_values"], out["exact"]["pixel_values"], torch.ones(3))
         theirs = _levels(out["torchvision"]["pixel_values"], out["pil"]["pixel_values"], a)
-        s = _median_cpu_seconds(fns, args.rounds)
+        s = median_seconds(fns, args.rounds, time.process_time)
         print(f"{w}x{h}: pil {s['pil'] * 1e3:6.1f} ms  exact {s['exact'] * 1e3:6.1f} ms "
               f"({s['exact'] / s['pil']:.2f}x) | torchvision {s['torchvision'] * 1e3:6.1f} ms  "
               f"fast {s['fast'] * 1e3:6.1f} ms ({s['fast'] / s['torchvision']:.2f}x) | float32 "
@@ -89,8 +74,9 @@ def main() -> None:
 
     video = Ernie4_5_VLMoeVideoProcessor(draw_on_frames=False)
     clips = [samples.video_like(16, 360, 640, seed=0), samples.video_like(9, 240, 320, seed=1)]
-    s = _median_cpu_seconds({"torchvision": lambda: video(videos=clips, return_tensors="pt"),
-                             "fast": lambda: model.processor(videos=clips)}, max(args.rounds // 3, 3))
+    s = median_seconds({"torchvision": lambda: video(videos=clips, return_tensors="pt"),
+                        "fast": lambda: model.processor(videos=clips)}, max(args.rounds // 3, 3),
+                       time.process_time)
     print(f"videos 16x640x360 + 9x320x240: torchvision video processor "
           f"{s['torchvision'] * 1e3:6.1f} ms  fast uint8 {s['fast'] * 1e3:6.1f} ms "
           f"({s['fast'] / s['torchvision']:.2f}x)")

@@ -40,16 +40,18 @@ VIDEOS = {
 }
 
 
-def _median_seconds(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+def median_seconds(fns: dict[str, Callable[[], Any]], rounds: int,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds of each function over ``rounds`` runs in rotating order, on ``clock``."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for name in names:
         fns[name]()
     for r in range(max(rounds, 1)):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -80,7 +82,7 @@ def main() -> None:
         fns = {"mmferry": lambda x=imgs: model.processor(images=x, **EXACT),
                "transformers": lambda x=imgs: pil(images=x, return_tensors="pt")}
         _row(label, "pixel_values", fns["mmferry"](), fns["transformers"](), "image_grid_thw",
-             _median_seconds(fns, args.rounds))
+             median_seconds(fns, args.rounds))
     try:
         from transformers.models.ernie4_5_vl_moe.video_processing_ernie4_5_vl_moe import (
             Ernie4_5_VLMoeVideoProcessor,
@@ -108,7 +110,7 @@ def main() -> None:
             fns = {"mmferry": lambda x=clips, m=ours: m.processor(videos=x, **FAST),
                    "transformers": lambda x=clips, p=theirs: p(videos=x, return_tensors="pt")}
             _row(name, "pixel_values_videos", fns["mmferry"](), fns["transformers"](),
-                 "video_grid_thw", _median_seconds(fns, args.rounds))
+                 "video_grid_thw", median_seconds(fns, args.rounds))
 
 
 if __name__ == "__main__":
