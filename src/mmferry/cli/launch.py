@@ -99,7 +99,7 @@ def ray_command(**ns: Any) -> None:
     try:
         serve.start(http_options={"host": ns["host"], "port": ns["port"]})
         serve.run(application(ns), name="mmferry", route_prefix="/", blocking=False)
-        print(f"mmferry ray: listening on http://{ns['host']}:{ns['port']}", flush=True)
+        click.echo(f"mmferry ray: listening on http://{ns['host']}:{ns['port']}")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
