@@ -337,7 +337,7 @@ def _layout(parts: Sequence[Part], patch: int) -> tuple[torch.Tensor, torch.Tens
         # [rows, h, P, cols, w, P, C] -> [rows, cols, C, P (row in patch), h, w, P (column)]
         cells = pixels.reshape(rows, h, patch, cols, w, patch, channels)
         dest = out[first:first + count, :, :, :length].reshape(
-            rows, cols, channels, patch, h, w, patch, copy=False)
+            rows, cols, channels, patch, h, w, patch)  # splits axes only: always a view
         np.copyto(dest, cells.transpose(0, 3, 6, 2, 1, 4, 5))
         out[first:first + count, :, :, length:] = 0
         first += count
