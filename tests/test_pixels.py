@@ -129,10 +129,12 @@ def test_fold_equals_normalising_first() -> None:
 
 
 def test_check_normalize_names_the_field() -> None:
-    check_normalize("pixel_values", CLIP, CLIP)
-    for wrong in (None, HALF):
+    check_normalize(_items(CLIP, LEVELS)["image"][0], "pixel_values", CLIP)
+    # Another normalisation, none in the spec, and a plain mapping (no specs at all).
+    for wrong in (_items(HALF, LEVELS)["image"][0], _items(None, LEVELS)["image"][0],
+                  dict(_items(CLIP, LEVELS)["image"][0])):
         with pytest.raises(mf.ContractError, match="pixel_values"):
-            check_normalize("pixel_values", wrong, CLIP)
+            check_normalize(wrong, "pixel_values", CLIP)
 
 
 def test_fold_sums_a_repeated_input_away() -> None:

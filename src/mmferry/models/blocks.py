@@ -5,7 +5,7 @@ model: nothing here is registered."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -224,12 +224,17 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def check_normalize(name: str, spec_normalize: Normalize | None, expected: Normalize) -> None:
-    """uint8 pixels are only read with the normalisation they were made for.
+def check_normalize(item: Mapping[str, Any], name: str, expected: Normalize) -> None:
+    """uint8 pixels in field ``name`` of ``item`` are only read with the normalisation they
+    were made for: the one ``item``'s spec of the field declares. A plain mapping has no
+    specs, so nothing says what its levels stand for.
 
     Raises:
-        ContractError: naming ``name``, when the item's spec has no or another normalisation.
+        ContractError: naming ``name``, when the spec has no or another normalisation.
     """
-    if spec_normalize != expected:
+    specs = getattr(item, "specs", None)
+    spec = specs.get(name) if isinstance(specs, Mapping) else None
+    declared = None if spec is None else spec.normalize
+    if declared != expected:
         raise ContractError(f"uint8 pixels need the spec's normalize to be the model's {expected}, "
-                            f"got {spec_normalize}", field=name)
+                            f"got {declared}", field=name)

@@ -668,8 +668,7 @@ class Ernie45VL(nn.Module):
             raise ContractError(f"expected floating point or uint8 [{t * h * w}, {width}] from "
                                 f"{grid_name} {(t, h, w)}, got {describe(value)}", field=values)
         if value.dtype == torch.uint8:
-            spec = getattr(item, "specs", {}).get(values)
-            check_normalize(values, None if spec is None else spec.normalize, self.normalize)
+            check_normalize(item, values, self.normalize)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """From the item's host grid: ``h·w / merge²`` for an image, ``t·h·w / (merge² ·

@@ -599,9 +599,7 @@ class IsaacModel(nn.Module):
             raise ContractError(f"expected uint8 or floating point [{rows}, {cols}] from "
                                 f"{_GRID} {(t, h, w)}, got {describe(value)}", field=_PIXELS)
         if value.dtype == torch.uint8:
-            # A plain mapping has no specs: its levels have no declared normalisation.
-            spec = getattr(item, "specs", {}).get(_PIXELS)
-            check_normalize(_PIXELS, getattr(spec, "normalize", None), self.normalize)
+            check_normalize(item, _PIXELS, self.normalize)
 
     def tokens_per_item(self, item: Mapping[str, Any]) -> int:
         """``t·h·w / r²`` from the item's host grid."""

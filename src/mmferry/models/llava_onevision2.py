@@ -707,9 +707,7 @@ class LlavaOnevision2(nn.Module):
                 raise ContractError(f"expected {kind} [{n}, {cols}] from {grid_name} {rows}, "
                                     f"got {describe(value)}", field=name)
             if levels:
-                specs = getattr(item, "specs", None)
-                check_normalize(name, specs[name].normalize if specs and name in specs else None,
-                                self.normalize)
+                check_normalize(item, name, self.normalize)
         if modality == "image" and ("image_embeds" in item) == (values in item):
             raise ContractError(f"an item holds {values} or image_embeds", field=values)
         if modality == "video" and values not in item:

@@ -837,11 +837,7 @@ class MiniCPMV46(nn.Module):
                     f"{cfg.patch_size}, L >= {longest}] with L a multiple of "
                     f"{cfg.patch_size}, got {describe(p)}", field=pixels_name)
             if p.dtype == torch.uint8:
-                # A plain mapping has no specs, so nothing says what its levels stand for.
-                specs = getattr(item, "specs", None)
-                spec = specs.get(pixels_name) if isinstance(specs, Mapping) else None
-                check_normalize(pixels_name, spec.normalize if spec is not None else None,
-                                self.normalize)
+                check_normalize(item, pixels_name, self.normalize)
         else:
             e = item[embeds_name]
             tokens = self._item_tokens(rows, merged)

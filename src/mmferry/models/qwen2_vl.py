@@ -509,9 +509,7 @@ class Qwen2VL(nn.Module):
         value = item.get(values)
         levels = isinstance(value, torch.Tensor) and value.dtype == torch.uint8
         if levels:
-            specs = getattr(item, "specs", {})
-            check_normalize(values, specs[values].normalize if values in specs else None,
-                            self.normalize)
+            check_normalize(item, values, self.normalize)
             if modality == "image":
                 width //= cfg.temporal_patch_size
             if tuple(value.shape) != (t * h * w, width):
