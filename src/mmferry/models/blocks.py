@@ -90,9 +90,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Attention within each frame: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
-    (frames, frame length) of consecutive equal-length frames covering the n rows. A run is a
-    view of one ``[frames, heads, length, head_dim]`` batch, so it costs one SDPA call."""
+    """Attention within each frame (or image, window, slice): ``q, k, v`` are ``[n, heads,
+    head_dim]``; ``runs`` are (frames, frame length) of consecutive equal-length frames
+    covering the n rows. A run is a view of one ``[frames, heads, length, head_dim]`` batch,
+    so it costs one SDPA call, and the boundaries are host ints: no ``cu_seqlens`` on the
+    device. Returns ``[n, heads·head_dim]``."""
     outs, start = [], 0
     for count, length in runs:
         end = start + count * length

@@ -49,7 +49,7 @@ from mmferry.fields import FieldSpec, Normalize
 from mmferry.media import load_image, source_name
 from mmferry.media.arguments import as_images
 from mmferry.media.resize import DEFAULT_PIXEL_DTYPE, DEFAULT_RESIZE_MODE, check_pixel_options
-from mmferry.models.blocks import PixelFold, check_normalize, describe
+from mmferry.models.blocks import PixelFold, check_normalize, describe, frame_attention
 from mmferry.models.checkpoint import config_values, read_json
 from mmferry.transfer import host_and_device, upload
 
@@ -269,23 +269,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = (p(x).view(n, self.num_heads, -1) for p in (self.q_proj, self.k_proj,
                                                                 self.v_proj))
-        return self.out_proj(_image_attention(q, k, v, runs))
-
-
-def _image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Attention within each image: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
-    (images, length) of consecutive equal-length images covering the n rows. A run is a view
-    of one ``[images, heads, length, head_dim]`` batch, so it costs one SDPA call, and the
-    boundaries are host ints: no ``cu_seqlens`` on the device."""
-    outs, start = [], 0
-    for count, length in runs:
-        end = start + count * length
-        q_, k_, v_ = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q_, k_, v_)
-        outs.append(o.transpose(1, 2).flatten(0, 1))
-        start = end
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
+        return self.out_proj(frame_attention(q, k, v, runs))
 
 
 class Mlp(nn.Module):

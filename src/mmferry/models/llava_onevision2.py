@@ -52,7 +52,7 @@ from mmferry.media.resize import (
     check_pixel_options,
     resize,
 )
-from mmferry.models.blocks import PixelFold, check_normalize, describe
+from mmferry.models.blocks import PixelFold, check_normalize, describe, frame_attention
 from mmferry.models.checkpoint import read_json
 from mmferry.models.qwen2_vl import CLIP_MEAN, CLIP_STD, smart_resize
 
@@ -289,20 +289,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos + swapped * sin).to(x.dtype)
 
 
-def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Attention within windows: ``q, k, v`` are ``[n, heads, head_dim]``; ``runs`` are
-    (windows, window length) of consecutive equal-length windows covering the n rows. A run
-    is a view of one ``[windows, heads, length, head_dim]`` batch: one SDPA call."""
-    outs, start = [], 0
-    for count, length in runs:
-        end = start + count * length
-        q_, k_, v_ = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).flatten(0, 1))
-        start = end
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).flatten(1)
-
-
 def window_runs(grid: Sequence[tuple[int, int, int]], window: int) -> list[tuple[int, int]]:
     """The attention windows of a batch's grid rows as runs of (count, length): each row's
     frames are cut into windows of ``window`` frames (the last may be shorter), a window
@@ -334,7 +320,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
         # q and k rotate together: one pass over both, the tables broadcast over the pair.
         q, k = _rotate(qkv[:, :2], cos[:, None], sin[:, None]).unbind(1)
-        return self.proj(_windowed_attention(q, k, qkv[:, 2], runs))
+        return self.proj(frame_attention(q, k, qkv[:, 2], runs))
 
 
 class Mlp(nn.Module):

@@ -46,7 +46,7 @@ from mmferry.media.resize import (
     check_pixel_options,
     resize,
 )
-from mmferry.models.blocks import PixelFold, check_normalize, describe
+from mmferry.models.blocks import PixelFold, check_normalize, describe, frame_attention
 from mmferry.models.checkpoint import read_json
 from mmferry.transfer import upload
 
@@ -397,18 +397,9 @@ class Attention(nn.Module):
         """``x`` ``[N, D]`` packed rows; ``runs`` (sequences, length) tile it: each run is
         ``sequences`` back-to-back sequences of ``length`` rows that attend within
         themselves. Projections run once over all rows, attention once per run."""
-        d = x.shape[1]
-        hd = d // self.heads
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        outs, start = [], 0
-        for count, length in runs:
-            stop = start + count * length
-            qs, ks, vs = (t[start:stop].view(count, length, self.heads, hd).transpose(1, 2)
-                          for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs)
-            outs.append(o.transpose(1, 2).reshape(count * length, d))
-            start = stop
-        return self.out_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        n = x.shape[0]
+        q, k, v = (p(x).view(n, self.heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(frame_attention(q, k, v, runs))
 
 
 class MLP(nn.Module):
